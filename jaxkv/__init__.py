@@ -1,0 +1,21 @@
+"""jaxkv: an LLM serving engine in JAX (paged KV cache, continuous batching, prefix caching).
+
+`import jaxkv` is cheap: JAX, the loaders and the tokenizer are imported when first used.
+"""
+
+from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestOutputKind"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from jaxkv.llm import LLM
+        return LLM
+    if name == "EngineArgs":
+        from jaxkv.config import EngineArgs
+        return EngineArgs
+    raise AttributeError(name)

@@ -1,0 +1,120 @@
+"""KV cache manager: block tables per request, prefix-cache lookup, allocation, freeing, forks.
+
+Plain Python, no JAX. Follows vLLM V1's KVCacheManager: full blocks are hashed as
+hash(parent hash, block token ids) and registered as soon as the step that fills them is
+scheduled, so a request scheduled later in the same step can already hit them (the runner
+writes every token's K/V before any attention of that layer reads the cache).
+"""
+
+from __future__ import annotations
+
+from jaxkv.core.block_pool import BlockPool, hash_block_tokens
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def _update_block_hashes(self, req) -> None:
+        bs = self.block_size
+        hashes = req.block_hashes
+        for i in range(len(hashes), req.num_tokens // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, req) -> tuple[list[int], int]:
+        """Longest run of cached full blocks that prefixes `req`'s tokens.
+
+        Returns (block ids, number of tokens they hold). The hit never covers the last token:
+        it must be computed to produce logits. Requests asking for prompt_logprobs get no hit
+        (their whole prompt is computed). Counts prefix_cache_queries/hits in tokens.
+        """
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._update_block_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit = []
+        for h in req.block_hashes[:max_blocks]:
+            bid = self.pool.lookup(h)
+            if bid is None:
+                break
+            hit.append(bid)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hit) * self.block_size
+        return hit, len(hit) * self.block_size
+
+    # ---- allocation ---------------------------------------------------------------------
+    def allocate_slots(self, req, num_new_tokens: int, new_computed_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after req.num_computed_tokens (plus the
+        tokens of `new_computed_blocks`, a prefix hit taken now). Returns False, changing
+        nothing, when the free queue cannot cover it (the scheduler then preempts)."""
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cached blocks with no holder sit in the free queue: taking them uses free capacity.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[req.request_id]
+            return False
+        if new_computed_blocks:
+            self.pool.touch(list(new_computed_blocks))
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[req.request_id] = len(blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        self._cache_full_blocks(req, total)
+        return True
+
+    def _cache_full_blocks(self, req, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        self._update_block_hashes(req)
+        blocks = self.req_to_blocks[req.request_id]
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.num_cached_blocks[req.request_id] = end
+
+    def fork(self, parent, child, num_blocks: int) -> None:
+        """Share the first `num_blocks` (full, computed) blocks of `parent` with `child` (n > 1)."""
+        shared = self.req_to_blocks[parent.request_id][:num_blocks]
+        self.pool.touch(shared)
+        self.req_to_blocks[child.request_id] = list(shared)
+        self.num_cached_blocks[child.request_id] = num_blocks
+        child.block_hashes = list(parent.block_hashes[:num_blocks])
+
+    def free(self, req) -> None:
+        """Release every block of `req`, tail first (so its tail is evicted before its head)."""
+        blocks = self.req_to_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total_blocks

@@ -1,0 +1,51 @@
+"""SchedulerOutput: the one record the scheduler hands the runner each step (plain data).
+
+The runner never sees a Request: it gets ids, token ids, positions and block ids here, and
+hands back one sampled token per sampling row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ScheduledRequest:
+    """One sequence's share of a step.
+
+    token_ids: the num_scheduled_tokens token ids computed this step, at positions
+    num_computed_tokens .. num_computed_tokens + num_scheduled_tokens - 1.
+    block_ids: the sequence's whole block table (physical block ids, logical order).
+    sample: whether this step reaches the end of the sequence's known tokens, so its last
+    row's logits are sampled. sampling_params/seed/sample_index/num_output_tokens/history feed
+    the sampler; prompt_logprob_targets are the next-token ids whose prompt logprobs this
+    chunk yields (empty when not asked).
+    """
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: Any
+    seed: int
+    sample_index: int
+    num_output_tokens: int
+    prompt_token_ids: list[int] | None = None  # only when penalties need them
+    output_token_ids: list[int] | None = None
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    min_tokens_banned_ids: list[int] = field(default_factory=list)  # EOS + stop_token_ids
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)

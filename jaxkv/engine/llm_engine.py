@@ -1,0 +1,177 @@
+"""LLMEngine: add_request / step / abort_request. Glue between the scheduler (host bookkeeping),
+the model runner (device) and the output processor (text, stop checks, outputs)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from jaxkv.config import EngineArgs
+from jaxkv.engine.output_processor import OutputProcessor
+from jaxkv.engine.request import Request, RequestStatus
+from jaxkv.engine.stats import EngineStats
+from jaxkv.outputs import RequestOutput
+from jaxkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxkv")
+
+
+class LLMEngine:
+    """Build with `LLMEngine.from_engine_args(EngineArgs(...))` (see jaxkv.engine.setup)."""
+
+    def __init__(self, args: EngineArgs, model_config, tokenizer, scheduler, runner, kv_budget,
+                 max_model_len: int):
+        self.args = args
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.runner = runner
+        self.kv_budget = kv_budget
+        self.max_model_len = max_model_len
+        self.output_processor = OutputProcessor(tokenizer, max_model_len)
+        self.eos_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else None
+        self._seed_rng = np.random.default_rng(args.seed)
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        from jaxkv.engine.setup import build_engine
+        return build_engine(cls, args)
+
+    # ---- intake -------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """str | {"prompt": str} | {"prompt_token_ids": [...]} -> (text, ids). ValueError if bad."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError (naming the value) for an empty prompt, token ids
+        outside the vocabulary, logprobs above max_logprobs, or a request that can never fit
+        (prompt + max_tokens > max_model_len, or more blocks than the whole pool)."""
+        params = (params or SamplingParams()).clone()
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.args.max_logprobs:
+                raise ValueError(f"{name}: requested {v}, more than max_logprobs={self.args.max_logprobs}")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(ids) + params.max_tokens} exceeds max_model_len ({self.max_model_len})")
+        kv = self.scheduler.kv
+        need = -(-(len(ids) + params.max_tokens) // kv.block_size)
+        if need > kv.num_total_blocks:
+            raise ValueError(f"request needs {need} blocks ({len(ids)} prompt + {params.max_tokens} "
+                             f"max_tokens), but the KV cache has only {kv.num_total_blocks}")
+        if request_id in self.output_processor.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
+        t = arrival_time or time.monotonic()
+        children = []
+        for j in range(params.n):
+            rid = request_id if params.n == 1 else f"{j}_{request_id}"
+            r = Request(rid, ids, params, self.eos_token_id, seed, sample_index=j,
+                        parent_id=request_id, prompt=text)
+            r.times.arrival_time = t
+            children.append(r)
+        self.output_processor.add_group(request_id, text, children)
+        self.scheduler.add_request(children[0], children[1:])
+        self.num_prompt_tokens += len(ids)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one jitted step, sample, and return this step's outputs (shaped by
+        each request's output_kind)."""
+        sched = self.scheduler
+        out = sched.schedule()
+        if not out.scheduled:
+            return []
+        res = self.runner.execute(out)
+        sched.advance(out)
+        now = time.monotonic()
+        op = self.output_processor
+        changed, touched = set(), {}
+        for s in out.scheduled:
+            req = sched.requests[s.request_id]
+            g = op.child_to_group[req.request_id]
+            if s.request_id in res.prompt_logprobs:
+                op.add_prompt_logprobs(req, res.prompt_logprobs[s.request_id])
+            if s.request_id not in res.sampled:
+                continue
+            status = op.process_token(req, res.sampled[s.request_id], res.logprobs.get(s.request_id))
+            self.num_generation_tokens += 1
+            if req.times.first_token_time is None:
+                req.times.first_token_time = now
+            req.times.last_token_time = now
+            if status is not None:
+                sched.finish(req, status)
+            changed.add(req.request_id)
+            touched[g.request_id] = g
+        outputs = []
+        for g in touched.values():
+            o = op.make_output(g, changed)
+            if o is not None:
+                outputs.append(o)
+        return outputs
+
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Abort requests (user ids, all n samples); their blocks are freed at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outs = []
+        for rid in request_ids:
+            g = self.output_processor.groups.get(rid)
+            if g is None:
+                continue
+            for c in g.children:
+                if not c.status.is_finished:
+                    self.scheduler.finish(c, RequestStatus.FINISHED_ABORTED)
+            o = self.output_processor.make_output(g, {c.request_id for c in g.children})
+            if o is not None:
+                outs.append(o)
+        return outs
+
+    # ---- introspection ------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        self.scheduler.reset_prefix_cache()
+        return True
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_total_blocks=kv.num_total_blocks, num_free_blocks=kv.num_free_blocks,
+            kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_total_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_compilations=self.runner.num_compilations,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)

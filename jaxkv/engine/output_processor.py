@@ -1,0 +1,148 @@
+"""Turns finished steps into RequestOutputs: detokenization, stop checks, logprob dicts, output kinds.
+
+One RequestGroup per user request; for n > 1 it has n child Requests. Output kinds follow
+vLLM's RequestOutputKind: CUMULATIVE (everything so far, every step), DELTA (only what is new),
+FINAL_ONLY (once, when every child has finished).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxkv.engine.detokenizer import IncrementalDetokenizer, detokenize_token
+from jaxkv.engine.request import Request, RequestStatus
+from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxkv.sampling_params import RequestOutputKind
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    sent_tokens: list[int] = field(default_factory=list)  # per child, for DELTA
+    sent_logprobs: list[int] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.status.is_finished for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.groups: dict[str, RequestGroup] = {}
+        self.child_to_group: dict[str, RequestGroup] = {}
+        self._token_text: dict[int, str] = {}
+
+    def add_group(self, request_id, prompt, children: list[Request]) -> None:
+        detoks = [IncrementalDetokenizer(self.tokenizer, c.prompt_token_ids, c.sampling_params)
+                  for c in children]
+        g = RequestGroup(request_id, prompt, children, detoks, [0] * len(children), [0] * len(children))
+        self.groups[request_id] = g
+        for c in children:
+            self.child_to_group[c.request_id] = g
+
+    def token_text(self, token_id: int) -> str:
+        t = self._token_text.get(token_id)
+        if t is None:
+            t = self._token_text[token_id] = detokenize_token(self.tokenizer, token_id)
+        return t
+
+    def logprob_dict(self, ids, lps, ranks, chosen: tuple | None) -> dict[int, Logprob]:
+        d = {}
+        if chosen is not None:
+            d[int(chosen[0])] = Logprob(float(chosen[1]), int(chosen[2]), self.token_text(int(chosen[0])))
+        for r, (i, lp) in enumerate(zip(ids, lps)):
+            if int(i) not in d:
+                d[int(i)] = Logprob(float(lp), r + 1, self.token_text(int(i)))
+        return d
+
+    def add_prompt_logprobs(self, req: Request, data) -> None:
+        target_lp, ranks, top_lp, top_ids = data
+        start = len(req.prompt_logprobs)
+        targets = req.prompt_token_ids[start:start + len(target_lp)]
+        for j, t in enumerate(targets):
+            req.prompt_logprobs.append(self.logprob_dict(top_ids[j], top_lp[j], None,
+                                                         (t, target_lp[j], ranks[j])))
+
+    def process_token(self, req: Request, token: int, logprob_data) -> RequestStatus | None:
+        """Append one sampled token; returns the finished status, or None if the request goes on."""
+        before = req.num_output_tokens
+        req.append_output_token(token)
+        if logprob_data is not None:
+            lp, rank, top_lp, top_ids = logprob_data
+            req.logprobs.append(self.logprob_dict(top_ids, top_lp, None, (token, lp, rank)))
+            req.cumulative_logprob += float(lp)
+        g = self.child_to_group[req.request_id]
+        detok = g.detoks[g.children.index(req)]
+        sp = req.sampling_params
+        stopped_by_token = before + 1 >= sp.min_tokens and token in req.stop_ids
+        stop_str = detok.update([token], before, stop_terminated=stopped_by_token)
+        if stopped_by_token:
+            req.stop_reason = token if token in sp.stop_token_ids else None  # None for EOS, as vLLM
+            return RequestStatus.FINISHED_STOPPED
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_output(self, g: RequestGroup, changed: set[str]) -> RequestOutput | None:
+        kind = g.children[0].sampling_params.output_kind
+        finished = g.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        outs = []
+        for j, (c, detok) in enumerate(zip(g.children, g.detoks)):
+            if delta and c.request_id not in changed:
+                continue
+            done = c.status.is_finished
+            text = detok.get_next_output_text(done, delta)
+            start = g.sent_tokens[j] if delta else 0
+            lp_start = g.sent_logprobs[j] if delta else 0
+            g.sent_tokens[j] = c.num_output_tokens
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = c.logprobs[lp_start:]
+                g.sent_logprobs[j] = len(c.logprobs)
+            outs.append(CompletionOutput(
+                index=c.sample_index, text=text, token_ids=list(c.output_token_ids[start:]),
+                cumulative_logprob=c.cumulative_logprob, logprobs=logprobs,
+                finish_reason=c.status.finish_reason, stop_reason=c.stop_reason))
+        first = g.children[0]
+        prompt_lp = first.prompt_logprobs
+        if delta and prompt_lp is not None:
+            prompt_lp = None if g.prompt_logprobs_sent else prompt_lp
+            g.prompt_logprobs_sent = True
+        t = [c.times for c in g.children]
+        metrics = RequestMetrics(
+            arrival_time=first.times.arrival_time,
+            first_scheduled_time=_min(x.first_scheduled_time for x in t),
+            first_token_time=_min(x.first_token_time for x in t),
+            last_token_time=_max(x.last_token_time for x in t),
+            finished_time=_max(x.finished_time for x in t) if finished else None)
+        if finished:
+            del self.groups[g.request_id]
+            for c in g.children:
+                self.child_to_group.pop(c.request_id, None)
+        return RequestOutput(g.request_id, g.prompt, first.prompt_token_ids, prompt_lp, outs,
+                             finished, metrics, max(first.num_cached_tokens, 0))
+
+
+def _min(xs):
+    xs = [x for x in xs if x is not None]
+    return min(xs) if xs else None
+
+
+def _max(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+__all__ = ["OutputProcessor", "RequestGroup"]

@@ -1,0 +1,109 @@
+"""Request: one sequence's token ids, status, num_computed_tokens and bookkeeping (host only).
+
+The runner never sees a Request; the scheduler turns requests into a SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic seconds (time.monotonic), as in RequestOutput.metrics."""
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. For n > 1 a user request becomes n Requests (children) sharing a parent id.
+
+    `sampling_params` is a SamplingParams with max_tokens already resolved; `seed` is the
+    per-request seed (user's, or drawn by the engine) and `sample_index` the child index j:
+    sample j draws from fold_in(seed, j).
+    """
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    eos_token_id: int | None
+    seed: int
+    sample_index: int = 0
+    parent_id: str | None = None
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    times: RequestTimes = field(default_factory=RequestTimes)
+    # Per-step products kept for the output: logprob dicts and cumulative logprob.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float | None = None
+
+    def __post_init__(self):
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if not self.times.arrival_time:
+            self.times.arrival_time = time.monotonic()
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+            self.cumulative_logprob = 0.0
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Token ids that end the request: stop_token_ids, and EOS unless ignore_eos."""
+        sp = self.sampling_params
+        ids = list(sp.stop_token_ids or [])
+        if self.eos_token_id is not None and not sp.ignore_eos:
+            ids.append(self.eos_token_id)
+        return ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

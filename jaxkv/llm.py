@@ -1,0 +1,100 @@
+"""The offline API: `LLM(...).generate(prompts)` and `.chat(messages)`, as vLLM's LLM class."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from jaxkv.config import EngineArgs
+from jaxkv.engine.llm_engine import LLMEngine
+from jaxkv.outputs import RequestOutput
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jaxkv")
+
+
+class LLM:
+    """An engine plus a blocking generate loop. Keyword arguments are EngineArgs fields (vLLM's
+    names); ValueError names a bad field."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        _setup_logging()
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def stats(self):
+        return self.llm_engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: str | {"prompt_token_ids": [...]} | a list of those; sampling_params: one
+        SamplingParams or one per prompt. Returns finished RequestOutputs in input order.
+        Every prompt is validated before any is queued (ValueError loses nothing)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of them; the
+        model's chat template is applied (transformers' apply_chat_template)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in convs]
+        ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate([{"prompt": p, "prompt_token_ids": i} for p, i in zip(prompts, ids)],
+                             sampling_params, use_tqdm)
+
+    def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        added = []
+        try:
+            for rid, p, sp in zip(ids, prompts, params):
+                sp = sp.clone()
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                engine.add_request(rid, p, sp)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        results[o.request_id] = o
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            left = [r for r in ids if r not in results]
+            if left:
+                engine.abort_request(left)
+        return [results[r] for r in ids]
+
+
+def _setup_logging():
+    log = logging.getLogger("jaxkv")
+    if not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)

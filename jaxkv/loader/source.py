@@ -1,0 +1,51 @@
+"""Which loader a `model` argument means: None -> the embedded GGUF, *.gguf, or an HF folder."""
+
+from __future__ import annotations
+
+import os
+
+
+def load_checkpoint(model: str | None, load_format: str = "auto"):
+    """Returns a Checkpoint (tensors empty for load_format="dummy").
+
+    Raises FileNotFoundError for a path that does not exist and ValueError for a format that
+    does not match the path.
+    """
+    from jaxkv.loader.checkpoint_data import Checkpoint
+
+    if model is None:
+        from jaxkv.loader.gguf import embedded_model_path
+        model = embedded_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model {model!r} not found (give a .gguf file or a Hugging Face "
+                                "model folder; jaxkv cannot download from a model hub)")
+    is_gguf = os.path.isfile(model) and model.endswith(".gguf")
+    if load_format == "gguf" and not is_gguf:
+        raise ValueError(f"load_format='gguf' needs a .gguf file, got {model!r}")
+    if load_format == "safetensors" and is_gguf:
+        raise ValueError(f"load_format='safetensors' needs a model folder, got {model!r}")
+    dummy = load_format == "dummy"
+    if is_gguf:
+        from jaxkv.loader.gguf import load_gguf, read_gguf_config
+        if dummy:
+            from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+            return Checkpoint(read_gguf_config(model), {}, tokenizer_from_gguf(model))
+        return load_gguf(model)
+    from jaxkv.loader.hf import load_hf_dir
+    return load_hf_dir(model, load_weights=not dummy)
+
+
+def read_config(model: str | None) -> dict:
+    """The HF-style config of `model` without loading weights or a tokenizer (for `jaxkv plan`)."""
+    if model is None:
+        from jaxkv.loader.gguf import embedded_model_path
+        model = embedded_model_path()
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        from jaxkv.loader.gguf import read_gguf_config
+        return read_gguf_config(model)
+    import json
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {model!r}")
+    with open(path) as f:
+        return json.load(f)

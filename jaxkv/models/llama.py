@@ -1,0 +1,160 @@
+"""Llama-family decoder in Flax (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV pool.
+
+Matches Hugging Face transformers' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+Qwen3ForCausalLM numerics: RMSNorm in float32, rotate-half RoPE (with llama3 scaling), grouped-
+query attention, SwiGLU MLP, q/k/v biases for Qwen2, per-head q/k RMSNorm for Qwen3.
+
+The layers are one `nn.scan` (compiled once, not 30 times), carrying the hidden state and the
+stacked KV pool [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; layer i writes its
+K/V at the slot mapping, then attends through `jaxkv.attention.paged_attention` with the layer
+index, so no layer of the pool is ever sliced out or copied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import paged_attention, write_kv
+from jaxkv.models.model_config import ModelConfig
+
+
+class AttnMetadata(NamedTuple):
+    """Device arrays of one step (see jaxkv.runner.step_input.StepInput)."""
+    positions: jax.Array        # int32 [num_tokens]
+    slot_mapping: jax.Array     # int32 [num_tokens]
+    block_tables: jax.Array     # int32 [max_num_seqs, max_blocks]
+    seq_lens: jax.Array         # int32 [max_num_seqs]
+    query_start_loc: jax.Array  # int32 [max_num_seqs + 1]
+    num_seqs: jax.Array         # int32 [1]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float64 -> float32), llama3 scaling as in
+    transformers' _compute_llama3_parameters."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    if cfg.rope_scaling:
+        rs = dict(cfg.rope_scaling)
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        scaled = np.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wl < hi_wl) & ~(wl > lo_wl)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x, cos, sin):
+    """x [T, heads, D]; cos/sin [T, D] (the half-frequencies repeated), rotate-half convention."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * cos[:, None] + rot.astype(jnp.float32) * sin[:, None]).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return w * xf.astype(self.dtype)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] (the transpose of torch's weight)."""
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
+        y = jnp.dot(x, k)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    backend: str
+
+    @nn.compact
+    def __call__(self, carry, layer, rope, meta: AttnMetadata):
+        x, k_cache, v_cache = carry
+        c, dt = self.cfg, self.dtype
+        t = x.shape[0]
+        h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
+        q = Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj")(h)
+        k = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj")(h)
+        v = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj")(h)
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
+        o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, meta.num_seqs, scale=c.head_dim ** -0.5,
+                            layer=layer, backend=self.backend)
+        x = x + Linear(c.hidden_size, False, dt, name="o_proj")(o.reshape(t, -1))
+        h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        g = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
+        u = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
+        x = x + Linear(c.hidden_size, False, dt, name="down_proj")(nn.silu(g) * u)
+        return (x, k_cache, v_cache), None
+
+
+class LlamaModel(nn.Module):
+    """__call__(input_ids int32 [T], kv (k, v), meta) -> (hidden [T, hidden_size] after the final
+    norm, (k, v) updated). `logits(hidden)` -> float32 [rows, vocab_size]."""
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    backend: str = "xla"
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
+                                     param_dtype=self.dtype, name="embed_tokens")
+        scan = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)
+        self.layers = scan(c, self.dtype, self.backend, name="layers")
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, self.dtype, name="lm_head")
+        self.inv_freq = rope_inv_freq(c)
+
+    def __call__(self, input_ids, kv, meta: AttnMetadata):
+        x = self.embed_tokens(input_ids)
+        freqs = meta.positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq)[None]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        rope = (jnp.cos(emb), jnp.sin(emb))
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, k, v), _ = self.layers((x, kv[0], kv[1]), layers, rope, meta)
+        return self.norm(x), (k, v)
+
+    def forward_and_logits(self, input_ids, kv, meta: AttnMetadata):
+        """Both halves at once; used to create every parameter (lm_head included) at init."""
+        hidden, kv = self(input_ids, kv, meta)
+        return self.logits(hidden), kv
+
+    def logits(self, hidden):
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)

@@ -1,0 +1,78 @@
+"""ModelConfig: the architecture facts the model, the loader and the KV budget need.
+
+Built from a Hugging Face config.json-style dict (GGUF metadata is mapped to the same keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# HF architecture name -> (family flags). The Llama family covers all of these.
+ARCHITECTURES = {
+    "LlamaForCausalLM": dict(qk_norm=False),
+    "MistralForCausalLM": dict(qk_norm=False),
+    "Qwen2ForCausalLM": dict(qk_norm=False),
+    "Qwen3ForCausalLM": dict(qk_norm=True),
+}
+
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_scaling: tuple | None  # sorted items of the HF rope_scaling dict, hashable
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
+        """Raises ValueError naming the architecture when it is not of the Llama family."""
+        archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))]
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs!r}; jaxkv runs {sorted(ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if rs is not None:
+            rs = {k: v for k, v in rs.items() if k != "rope_theta"}
+            kind = rs.get("rope_type", rs.get("type", "default"))
+            if kind == "default":
+                rs = None
+            elif kind != "llama3":
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (default and llama3 are)")
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+            rope_theta=float(theta), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=ARCHITECTURES[arch]["qk_norm"],
+            rope_scaling=tuple(sorted(rs.items())) if rs else None,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, sliding_window=window)

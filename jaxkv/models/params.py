@@ -1,0 +1,90 @@
+"""Hugging Face tensors -> the Flax parameter tree of LlamaModel, and dummy (random) weights.
+
+HF names (model.layers.{i}.self_attn.q_proj.weight, torch layout [out, in]) become a stacked
+tree (layers/q_proj/kernel [num_layers, in, out]) because the layers run under one nn.scan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.models.model_config import ModelConfig
+
+_LAYER_MAP = {  # flax module -> (HF suffix, transpose)
+    "input_layernorm": ("input_layernorm", False),
+    "post_attention_layernorm": ("post_attention_layernorm", False),
+    "q_proj": ("self_attn.q_proj", True), "k_proj": ("self_attn.k_proj", True),
+    "v_proj": ("self_attn.v_proj", True), "o_proj": ("self_attn.o_proj", True),
+    "q_norm": ("self_attn.q_norm", False), "k_norm": ("self_attn.k_norm", False),
+    "gate_proj": ("mlp.gate_proj", True), "up_proj": ("mlp.up_proj", True),
+    "down_proj": ("mlp.down_proj", True),
+}
+
+
+def param_shapes(model) -> dict:
+    """The parameter tree of `model` as jax.ShapeDtypeStruct, without allocating anything."""
+    from jaxkv.models.llama import AttnMetadata
+    c = model.cfg
+    kv = jax.ShapeDtypeStruct((c.num_layers, 2, 1, c.num_kv_heads, c.head_dim), model.dtype)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    meta = AttnMetadata(i32(1), i32(1), i32(1, 1), i32(1), i32(2), i32(1))
+    shapes = jax.eval_shape(lambda ids, kv, meta: model.init(
+        jax.random.PRNGKey(0), ids, kv, meta, method=type(model).forward_and_logits),
+                            i32(1), (kv, kv), meta)
+    return shapes["params"]
+
+
+def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
+    """Build LlamaModel params from HF-named arrays; every shape is checked against the model.
+
+    Raises ValueError naming the tensor that is missing or has the wrong shape.
+    """
+    c: ModelConfig = model.cfg
+    shapes = param_shapes(model)
+    dtype = model.dtype
+
+    def get(name):
+        if name not in tensors:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return np.asarray(tensors[name])
+
+    out = {"embed_tokens": {"embedding": get("model.embed_tokens.weight")},
+           "norm": {"weight": get("model.norm.weight")}, "layers": {}}
+    if not c.tie_word_embeddings:
+        out["lm_head"] = {"kernel": get("lm_head.weight").T}
+    for mod, leaves in shapes["layers"].items():
+        hf, transpose = _LAYER_MAP[mod]
+        out["layers"][mod] = {}
+        for leaf in leaves:
+            hf_leaf = "weight" if leaf in ("kernel", "weight") else "bias"
+            arrs = [get(f"model.layers.{i}.{hf}.{hf_leaf}") for i in range(c.num_layers)]
+            if transpose and leaf == "kernel":
+                arrs = [a.T for a in arrs]
+            out["layers"][mod][leaf] = np.stack(arrs)
+
+    def check(path, want, got):
+        name = "/".join(str(getattr(p, "key", p)) for p in path)
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"tensor for {name} has shape {tuple(got.shape)}, model expects {tuple(want.shape)}")
+        return jnp.asarray(got, dtype=dtype)
+
+    return jax.tree_util.tree_map_with_path(check, shapes, out)
+
+
+def dummy_params(model, seed: int = 0) -> dict:
+    """Random weights of the configured shapes (load_format="dummy"): normal(0, 0.02), norms 1."""
+    shapes = param_shapes(model)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i, (path, s) in enumerate(leaves):
+        last = str(getattr(path[-1], "key", path[-1]))
+        if last == "weight":
+            out.append(jnp.ones(s.shape, s.dtype))
+        elif last == "bias":
+            out.append(jnp.zeros(s.shape, s.dtype))
+        else:
+            out.append((0.02 * jax.random.normal(jax.random.fold_in(key, i), s.shape)).astype(s.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)

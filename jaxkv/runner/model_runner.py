@@ -1,0 +1,188 @@
+"""ModelRunner: owns the params and the KV pool, packs each step's arrays, runs the jitted step.
+
+The step `(params, kv_cache, input_ids, attn arrays) -> (hidden, kv_cache)` is ONE jitted
+function whose KV pool argument is donated, so XLA updates the pool in place; the pool is
+allocated once here and never copied or reallocated. Logits of each sequence's last row and
+sampling run in a second, small jitted function (`sample`), so sampler variants do not
+multiply the model's programs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.models.llama import AttnMetadata, LlamaModel
+from jaxkv.runner import sampler as smp
+from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
+from jaxkv.runner.step_input import build_step_input
+
+logger = logging.getLogger("jaxkv")
+
+
+@dataclass
+class RunnerOutput:
+    """Per sampled request: token id, and logprob data when asked; prompt logprobs per chunk."""
+    sampled: dict[str, int] = field(default_factory=dict)
+    # request id -> (sampled logprob, rank, top logprobs [k], top ids [k])
+    logprobs: dict[str, tuple] = field(default_factory=dict)
+    # request id -> (target logprobs [n], ranks [n], top logprobs [n, k], top ids [n, k])
+    prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, params, *, num_blocks: int, block_size: int,
+                 max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
+                 max_logprobs: int, enforce_eager: bool = False):
+        c = model.cfg
+        self.model, self.params = model, params
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.max_num_seqs, self.token_buckets = max_num_seqs, tuple(token_buckets)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_logprobs = max_logprobs
+        self.vocab_size = c.vocab_size
+        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_cache = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+        jit = (lambda f, **kw: f) if enforce_eager else jax.jit
+        self._step = jit(self._forward, donate_argnums=(1,))
+        self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"))
+        self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",))
+        self._jitted = [] if enforce_eager else [self._step, self._sample, self._prompt_lp]
+
+    # ---- jitted bodies ------------------------------------------------------------------
+    def _forward(self, params, kv_cache, input_ids, attn):
+        return self.model.apply({"params": params}, input_ids, kv_cache, AttnMetadata(*attn))
+
+    def _logits(self, params, hidden):
+        return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
+
+    def _sample_rows(self, params, hidden, logits_indices, s, pen, *, mode, num_logprobs):
+        logits = self._logits(params, hidden[logits_indices])
+        return smp.sample(logits, s, pen, mode=mode, num_logprobs=num_logprobs)
+
+    def _prompt_logprobs(self, params, hidden, targets, *, num_logprobs):
+        return smp.prompt_logprobs(self._logits(params, hidden), targets, num_logprobs=num_logprobs)
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    @property
+    def num_compilations(self) -> int:
+        """Executables compiled for this runner's jitted functions (warmup included)."""
+        return sum(f._cache_size() for f in self._jitted)
+
+    def kv_cache_bytes(self) -> int:
+        return sum(x.nbytes for x in self.kv_cache)
+
+    # ---- one step -----------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        total = out.total_num_scheduled_tokens
+        t = pick_bucket(self.token_buckets, total)
+        r = num_rows(t, self.max_num_seqs)
+        si = build_step_input(out, block_size=self.block_size, num_tokens=t, rows=r,
+                              max_blocks=self.max_blocks)
+        hidden, self.kv_cache = self._step(self.params, self.kv_cache, si.input_ids, si.attn_arrays)
+        res = RunnerOutput()
+        rows = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
+        if rows:
+            self._sample_into(res, hidden, si.logits_indices, out, rows, r)
+        if any(s.prompt_logprob_targets for s in out.scheduled):
+            self._prompt_logprobs_into(res, hidden, si.query_start_loc, out, t)
+        return res
+
+    def _sample_into(self, res, hidden, logits_indices, out, rows, r):
+        sp = [s.sampling_params for _, s in rows]
+        greedy = all(p.temperature < smp.GREEDY_EPS for p in sp)
+        filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in sp if p.temperature >= smp.GREEDY_EPS)
+        mode = "greedy" if greedy else ("filtered" if filtered else "random")
+        want_lp = any(p.logprobs is not None for p in sp)
+        s_arr = self._sampling_arrays(out, r)
+        pen = self._penalty_arrays(out, r) if any(_needs_penalties(s) for _, s in rows) else None
+        o = self._sample(self.params, hidden, logits_indices, s_arr, pen, mode=mode,
+                         num_logprobs=self.max_logprobs if want_lp else 0)
+        o = jax.device_get(o)
+        for i, s in rows:
+            res.sampled[s.request_id] = int(o.token_ids[i])
+            if s.sampling_params.logprobs is not None:
+                k = s.sampling_params.logprobs
+                res.logprobs[s.request_id] = (float(o.logprob[i]), int(o.rank[i]),
+                                              o.top_logprobs[i, :k], o.top_ids[i, :k])
+
+    def _sampling_arrays(self, out, r) -> smp.SamplingArrays:
+        temp = np.zeros(r, np.float32)
+        top_p = np.ones(r, np.float32)
+        top_k = np.zeros(r, np.int32)
+        min_p = np.zeros(r, np.float32)
+        seed = np.zeros(r, np.uint32)
+        idx = np.zeros(r, np.int32)
+        step = np.zeros(r, np.int32)
+        for i, s in enumerate(out.scheduled):
+            p = s.sampling_params
+            temp[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
+            seed[i], idx[i], step[i] = s.seed & 0xFFFFFFFF, s.sample_index, s.num_output_tokens
+        return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step)
+
+    def _penalty_arrays(self, out, r) -> smp.PenaltyArrays:
+        v, L = self.vocab_size, self.max_model_len
+        rep = np.ones(r, np.float32)
+        pres = np.zeros(r, np.float32)
+        freq = np.zeros(r, np.float32)
+        prompt = np.full((r, L), v, np.int32)
+        output = np.full((r, L), v, np.int32)
+        banned_lists = [_banned_ids(s) for s in out.scheduled]
+        banned = np.full((r, pow2_at_least(max(map(len, banned_lists), default=0))), v, np.int32)
+        for i, s in enumerate(out.scheduled):
+            p = s.sampling_params
+            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            if s.prompt_token_ids is not None:
+                prompt[i, :len(s.prompt_token_ids)] = s.prompt_token_ids
+                output[i, :len(s.output_token_ids)] = s.output_token_ids
+            banned[i, :len(banned_lists[i])] = banned_lists[i]
+        return smp.PenaltyArrays(rep, pres, freq, prompt, output, banned)
+
+    def _prompt_logprobs_into(self, res, hidden, qsl, out, t):
+        targets = np.zeros(t, np.int32)
+        for i, s in enumerate(out.scheduled):
+            n = len(s.prompt_logprob_targets)
+            targets[qsl[i]:qsl[i] + n] = s.prompt_logprob_targets
+        o = jax.device_get(self._prompt_lp(self.params, hidden, targets, num_logprobs=self.max_logprobs))
+        for i, s in enumerate(out.scheduled):
+            n, k = len(s.prompt_logprob_targets), s.sampling_params.prompt_logprobs
+            if n:
+                sl = slice(qsl[i], qsl[i] + n)
+                res.prompt_logprobs[s.request_id] = (o[0][sl], o[1][sl], o[2][sl, :k], o[3][sl, :k])
+
+    # ---- warmup -------------------------------------------------------------------------
+    def warmup(self) -> tuple[float, int]:
+        """Compile every token bucket of the step and the greedy/random/filtered sampler for
+        every row count. Returns (seconds, programs compiled)."""
+        t0, n0 = time.perf_counter(), self.num_compilations
+        for t in self.token_buckets:
+            r = num_rows(t, self.max_num_seqs)
+            empty = SchedulerOutput([])
+            si = build_step_input(empty, block_size=self.block_size, num_tokens=t, rows=r,
+                                  max_blocks=self.max_blocks)
+            hidden, self.kv_cache = self._step(self.params, self.kv_cache, si.input_ids, si.attn_arrays)
+            s_arr = self._sampling_arrays(empty, r)
+            for mode in smp.MODES:
+                jax.block_until_ready(self._sample(self.params, hidden, si.logits_indices, s_arr, None,
+                                                   mode=mode, num_logprobs=0))
+        return time.perf_counter() - t0, self.num_compilations - n0
+
+
+def _needs_penalties(s) -> bool:
+    p = s.sampling_params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or bool(_banned_ids(s)))
+
+
+def _banned_ids(s) -> list[int]:
+    """Stop token ids (and EOS) banned while fewer than min_tokens outputs exist (vLLM's
+    MinTokensLogitsProcessor)."""
+    if s.num_output_tokens >= s.sampling_params.min_tokens:
+        return []
+    return s.min_tokens_banned_ids

@@ -1,0 +1,127 @@
+"""On-device sampling: temperature, top-k, top-p, min-p, penalties, per-request seeds, logprobs.
+
+Semantics follow vLLM's V1 Sampler: penalties (repetition on prompt+output tokens, then
+frequency and presence on output tokens) and the min_tokens ban apply to the logits first;
+greedy rows take the argmax; random rows divide by temperature, apply min-p, top-k and top-p,
+and draw from what is left. Returned logprobs are the raw model log-probabilities (before
+penalties and temperature), as vLLM's default logprobs mode.
+
+Penalty counts are computed on device from token ids the host passes in the step input
+(prompt ids and output ids, [rows, max_model_len] padded with vocab_size, which the scatter
+drops); nothing about a request is kept in device state between steps.
+
+Randomness: row r draws one uniform from fold_in(fold_in(PRNGKey(seed_r), sample_index_r),
+num_output_tokens_r) and inverts the CDF, so a seeded request gets the same tokens alone or
+inside any batch. A batch of only greedy rows never sorts the vocabulary ("greedy" mode), and
+rows without top-k/top-p do not either ("random" mode); "filtered" sorts once per row.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+MODES = ("greedy", "random", "filtered")
+
+
+class SamplingArrays(NamedTuple):
+    """Per-row parameters, each [R] unless noted."""
+    temperature: jax.Array    # float32
+    top_p: jax.Array          # float32, 1 = off
+    top_k: jax.Array          # int32, 0 = off
+    min_p: jax.Array          # float32, 0 = off
+    seed: jax.Array           # uint32
+    sample_index: jax.Array   # int32 (child j of an n > 1 request)
+    step: jax.Array           # int32 (output tokens so far)
+
+
+class PenaltyArrays(NamedTuple):
+    repetition: jax.Array     # float32 [R], 1 = off
+    presence: jax.Array       # float32 [R]
+    frequency: jax.Array      # float32 [R]
+    prompt_ids: jax.Array     # int32 [R, L], padded with vocab_size
+    output_ids: jax.Array     # int32 [R, L], padded with vocab_size
+    banned_ids: jax.Array     # int32 [R, K], padded with vocab_size (min_tokens stop ban)
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array          # int32 [R]
+    logprob: jax.Array            # float32 [R]: raw logprob of the sampled token (if asked)
+    rank: jax.Array               # int32 [R]: its 1-based rank in the vocabulary (if asked)
+    top_logprobs: jax.Array       # float32 [R, k]
+    top_ids: jax.Array            # int32 [R, k]
+
+
+def apply_penalties(logits, p: PenaltyArrays):
+    r, v = logits.shape
+    rows = jnp.arange(r)[:, None]
+    out_counts = jnp.zeros((r, v), jnp.float32).at[rows, p.output_ids].add(1.0, mode="drop")
+    seen = jnp.zeros((r, v), bool).at[rows, p.prompt_ids].set(True, mode="drop") | (out_counts > 0)
+    rep = p.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - p.frequency[:, None] * out_counts - p.presence[:, None] * (out_counts > 0)
+    return logits.at[rows, p.banned_ids].set(-jnp.inf, mode="drop")
+
+
+def _uniforms(s: SamplingArrays):
+    def one(seed, j, step):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), j), step)
+        return jax.random.uniform(key, (), jnp.float32, minval=1e-7, maxval=1.0)
+    return jax.vmap(one)(s.seed, s.sample_index, s.step)
+
+
+def _inverse_cdf(probs, u):
+    cdf = jnp.cumsum(probs, axis=-1)
+    x = (u * cdf[:, -1])[:, None]
+    return jnp.minimum(jnp.sum(cdf < x, axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
+
+
+def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, *, mode: str,
+           num_logprobs: int) -> SamplerOutput:
+    """logits float32 [R, V] -> SamplerOutput. mode in MODES (static); num_logprobs static
+    (0 = no logprobs; else top-k width)."""
+    raw = logits
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode != "greedy":
+        greedy = s.temperature < GREEDY_EPS
+        t = jnp.where(greedy, 1.0, s.temperature)[:, None]
+        probs = jax.nn.softmax(logits / t, axis=-1)
+        probs = jnp.where(probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
+        u = _uniforms(s)
+        if mode == "filtered":
+            order = jnp.argsort(-probs, axis=-1)
+            ps = jnp.take_along_axis(probs, order, axis=-1)
+            rank = jnp.arange(ps.shape[-1])[None]
+            k = jnp.where(s.top_k > 0, s.top_k, ps.shape[-1])[:, None]
+            ps = jnp.where(rank < k, ps, 0.0)  # top-k first; top-p on what it keeps
+            before = jnp.cumsum(ps, axis=-1) - ps  # mass strictly before this token
+            keep = (before < s.top_p[:, None] * jnp.sum(ps, -1, keepdims=True)) | (rank == 0)
+            picked = jnp.take_along_axis(order, _inverse_cdf(jnp.where(keep, ps, 0.0), u)[:, None], -1)[:, 0]
+        else:
+            picked = _inverse_cdf(probs, u)
+        tokens = jnp.where(greedy, tokens, picked.astype(jnp.int32))
+    r = logits.shape[0]
+    if num_logprobs:
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        chosen = jnp.take_along_axis(lp, tokens[:, None], -1)[:, 0]
+        rank = (jnp.sum(lp > chosen[:, None], axis=-1) + 1).astype(jnp.int32)
+        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
+        return SamplerOutput(tokens, chosen, rank, top_lp, top_ids.astype(jnp.int32))
+    z = jnp.zeros((r,), jnp.float32)
+    return SamplerOutput(tokens, z, z.astype(jnp.int32), jnp.zeros((r, 0), jnp.float32),
+                         jnp.zeros((r, 0), jnp.int32))
+
+
+def prompt_logprobs(logits, targets, *, num_logprobs: int):
+    """logits float32 [T, V], targets int32 [T] (the next prompt token of each row) ->
+    (target logprob [T], target rank [T], top logprobs [T, k], top ids [T, k])."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, targets[:, None], -1)[:, 0]
+    rank = (jnp.sum(lp > chosen[:, None], axis=-1) + 1).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(lp, max(num_logprobs, 1))
+    return chosen, rank, top_lp[:, :num_logprobs], top_ids[:, :num_logprobs].astype(jnp.int32)

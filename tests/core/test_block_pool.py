@@ -1,0 +1,150 @@
+"""Block pool and KV cache manager with tiny pools and exact block ids."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from jaxkv.core.block_pool import BlockPool
+from jaxkv.core.kv_cache_manager import KVCacheManager
+from jaxkv.engine.request import Request
+from jaxkv.sampling_params import SamplingParams
+
+
+def req(rid, ids, **sp):
+    return Request(rid, list(ids), SamplingParams(**sp), eos_token_id=None, seed=0)
+
+
+def test_free_queue_starts_in_order_and_null_block_is_reserved():
+    pool = BlockPool(6)
+    assert pool.num_total_blocks == 5 and pool.num_free_blocks == 5
+    assert pool.get_new_blocks(3) == [1, 2, 3]
+    assert pool.num_free_blocks == 2
+    with pytest.raises(RuntimeError):
+        pool.get_new_blocks(3)
+
+
+def test_allocate_free_and_ref_counts():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", range(10))
+    assert kv.allocate_slots(a, 10)
+    assert kv.get_block_ids("a") == [1, 2, 3]
+    a.num_computed_tokens = 10
+    a.append_output_token(99)
+    assert kv.allocate_slots(a, 1)  # token 11 still fits block 3
+    assert kv.get_block_ids("a") == [1, 2, 3]
+    for t in range(2):
+        a.num_computed_tokens += 1
+        a.append_output_token(100 + t)
+    assert kv.allocate_slots(a, 1)  # 13th token opens block 4
+    assert kv.get_block_ids("a") == [1, 2, 3, 4]
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [1, 1, 1, 1]
+    kv.free(a)
+    assert kv.num_free_blocks == 7
+    # Freed tail first: the free queue now ends with 4, 3, 2, 1 (tail evicted before head).
+    assert list(kv.pool.free_queue)[-4:] == [4, 3, 2, 1]
+
+
+def test_allocation_fails_cleanly_when_pool_is_short():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = req("a", range(8))
+    assert kv.allocate_slots(a, 8)
+    b = req("b", range(100, 108))
+    assert not kv.allocate_slots(b, 8)  # needs 2, one free
+    assert kv.get_block_ids("b") == [] and kv.num_free_blocks == 1
+
+
+def test_prefix_hit_shares_blocks_and_is_capped_before_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = req("a", range(12))  # exactly 3 full blocks
+    assert kv.allocate_slots(a, 12)
+    b = req("b", range(12))  # same tokens: the hit must leave the last token to compute
+    hit, n = kv.get_computed_blocks(b)
+    assert hit == [1, 2] and n == 8
+    assert kv.allocate_slots(b, 4, hit)
+    assert kv.get_block_ids("b")[:2] == [1, 2] and kv.get_block_ids("b")[2] != 3
+    assert kv.pool.blocks[1].ref_cnt == 2 and kv.pool.blocks[3].ref_cnt == 1
+    c = req("c", list(range(8)) + [50, 51, 52, 53, 54])  # shares two blocks, then diverges
+    hit, n = kv.get_computed_blocks(c)
+    assert hit == [1, 2] and n == 8
+    assert kv.prefix_cache_queries == 25 and kv.prefix_cache_hits == 16
+
+
+def test_cached_free_blocks_are_hit_then_evicted_lru():
+    kv = KVCacheManager(num_blocks=5, block_size=2)  # 4 usable blocks
+    a = req("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)  # blocks 1, 2, 3 (two full, hashed)
+    kv.free(a)
+    assert kv.num_free_blocks == 4  # cached blocks count as free
+    b = req("b", [1, 2, 3, 4, 9])
+    hit, n = kv.get_computed_blocks(b)
+    assert hit == [1, 2] and n == 4
+    assert kv.allocate_slots(b, 1, hit)
+    assert kv.num_free_blocks == 1
+    kv.free(b)
+    # Queue now: 3 (a's tail, freed first), then b's blocks tail first: 4, 2, 1.
+    # A fresh 6-token request takes the three least recently freed blocks.
+    c = req("c", [7, 7, 7, 7, 7, 7])
+    assert kv.allocate_slots(c, 6)
+    assert kv.get_block_ids("c") == [3, 4, 2]
+    # Block 1 (a's head) is the only cached survivor.
+    d = req("d", [1, 2, 3, 4, 5])
+    hit, _ = kv.get_computed_blocks(d)
+    assert hit == [1]
+
+
+def test_reset_prefix_cache_drops_unheld_blocks_only():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    a = req("a", [1, 2, 3, 4, 5])
+    b = req("b", [6, 7, 8, 9, 1])
+    assert kv.allocate_slots(a, 5) and kv.allocate_slots(b, 5)
+    kv.free(a)
+    assert kv.reset_prefix_cache() == 2
+    assert kv.get_computed_blocks(req("a2", [1, 2, 3, 4, 5]))[1] == 0
+    assert kv.get_computed_blocks(req("b2", [6, 7, 8, 9, 1]))[1] == 4
+
+
+def test_no_hits_when_caching_disabled_or_prompt_logprobs():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=False)
+    a = req("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    assert kv.get_computed_blocks(req("b", [1, 2, 3, 4, 5])) == ([], 0)
+    kv2 = KVCacheManager(num_blocks=8, block_size=2)
+    assert kv2.allocate_slots(req("a", [1, 2, 3, 4, 5]), 5)
+    assert kv2.get_computed_blocks(req("b", [1, 2, 3, 4, 5], prompt_logprobs=1)) == ([], 0)
+
+
+def test_fork_shares_full_prompt_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
+    p = req("p", range(10))
+    assert kv.allocate_slots(p, 10)
+    c = req("c", range(10))
+    kv.fork(p, c, 2)
+    assert kv.get_block_ids("c") == [1, 2]
+    assert kv.pool.blocks[1].ref_cnt == 2
+    kv.free(p)
+    kv.free(c)
+    assert kv.num_free_blocks == 9
+
+
+def test_random_mix_of_finished_and_aborted_requests_frees_everything():
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=40, block_size=4)
+    live = []
+    base = list(range(30))
+    for i in range(300):
+        if live and rng.random() < 0.45:
+            kv.free(live.pop(rng.randrange(len(live))))
+            continue
+        n = rng.randint(1, 30)
+        r = req(f"r{i}", base[:rng.randint(0, 20)] + [rng.randint(100, 200) for _ in range(n)])
+        hit, nh = kv.get_computed_blocks(r)
+        if kv.allocate_slots(r, r.num_tokens - nh, hit):
+            live.append(r)
+        for bid in range(1, 40):
+            b = kv.pool.blocks[bid]
+            assert (b.ref_cnt == 0) == (bid in kv.pool.free_queue)
+    for r in live:
+        kv.free(r)
+    assert kv.num_free_blocks == kv.num_total_blocks == 39
+    assert all(kv.pool.blocks[i].ref_cnt == 0 for i in range(1, 40))
