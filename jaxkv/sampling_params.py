@@ -1,0 +1,197 @@
+"""SamplingParams: how one request is sampled and when it stops.
+
+Names, defaults and validation follow vLLM's ``vllm.SamplingParams``. Bad input is rejected
+here, at the edge, with a ``ValueError`` naming the field and the value; the engine core
+assumes every SamplingParams it sees is valid.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+
+# vLLM's _SAMPLING_EPS: temperatures below this are treated as greedy (argmax).
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = 0  # the whole output so far, every time
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
+def _fail(name: str, rule: str, value: object) -> None:
+    raise ValueError(f"{name} {rule}, got {value!r}")
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(name, "must be an int", value)
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(name, "must be a number", value)
+    if not math.isfinite(value):
+        _fail(name, "must be finite", value)
+    return float(value)
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        _fail(name, "must be a bool", value)
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request (vLLM's SamplingParams)."""
+
+    n: int = 1
+    """Number of output sequences to return for the prompt (>= 1)."""
+    temperature: float = 1.0
+    """Divides the logits before softmax; lower is more deterministic. Values below 1e-5
+    (including 0) mean greedy decoding (argmax), as in vLLM."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of top tokens whose cumulative probability
+    reaches top_p. In (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens. 0 disables it; -1 (vLLM's old "off") is
+    accepted and normalised to 0."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times that of the most likely token.
+    In [0, 1]; 0 disables it."""
+    repetition_penalty: float = 1.0
+    """Multiplicative penalty (> 0) on tokens already in the prompt or output: their
+    positive logits are divided by it, negative ones multiplied. 1 disables it."""
+    presence_penalty: float = 0.0
+    """Additive penalty in [-2, 2] subtracted from the logit of every token that appears in
+    the output so far (once per token). 0 disables it."""
+    frequency_penalty: float = 0.0
+    """Additive penalty in [-2, 2] times the number of times the token appears in the
+    output so far. 0 disables it."""
+    seed: int | None = None
+    """Per-request random seed; the same seed and inputs give the same samples."""
+    stop: str | list[str] | None = None
+    """Strings that end generation when they appear in the output text. The returned text
+    stops before the string (unless include_stop_str_in_output). Normalised to a list."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation. The token is in output_token_ids; its text is in the
+    output text only if it is not a special token skipped by skip_special_tokens.
+    Normalised to a list."""
+    ignore_eos: bool = False
+    """Keep generating after the EOS token (benchmarks use this)."""
+    min_tokens: int = 0
+    """Minimum number of output tokens before EOS, stop_token_ids or stop strings may end
+    the request (>= 0, <= max_tokens)."""
+    max_tokens: int | None = 16
+    """Maximum number of output tokens (>= 1). None means "as many as fit in
+    max_model_len"; the engine fills in the number."""
+    logprobs: int | None = None
+    """Number of log probabilities to return per output token, besides the sampled
+    token's own (>= 0). None returns none."""
+    prompt_logprobs: int | None = None
+    """Number of log probabilities to return per prompt token (>= 0). None returns none."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (e.g. <|im_end|>) out of the output text."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the output text."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """Cumulative, delta or final-only outputs (see RequestOutputKind)."""
+
+    def __post_init__(self) -> None:
+        self.n = _as_int("n", self.n)
+        if self.n < 1:
+            _fail("n", "must be >= 1", self.n)
+
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0:
+            _fail("temperature", "must be >= 0", self.temperature)
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", "must be in (0, 1]", self.top_p)
+        self.top_k = _as_int("top_k", self.top_k)
+        if self.top_k < -1:
+            _fail("top_k", "must be -1 (disable), 0 (disable) or >= 1", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", "must be in [0, 1]", self.min_p)
+
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", "must be > 0", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                _fail(name, "must be in [-2, 2]", value)
+            setattr(self, name, value)
+
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed)
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            _fail("stop", "must be a str or a list of str", self.stop)
+        for s in self.stop:
+            if not isinstance(s, str):
+                _fail("stop", "must contain only strings", self.stop)
+            if not s:
+                _fail("stop", "cannot contain an empty string", self.stop)
+
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids]
+        else:
+            _fail("stop_token_ids", "must be a list of int", self.stop_token_ids)
+        if any(t < 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", "must be >= 0", self.stop_token_ids)
+
+        self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _as_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+        if self.max_tokens is not None:
+            self.max_tokens = _as_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                _fail("max_tokens", "must be >= 1", self.max_tokens)
+        self.min_tokens = _as_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            _fail("min_tokens", "must be >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
+
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _as_int(name, value)
+                if value < 0:
+                    _fail(name, "must be >= 0", value)
+                setattr(self, name, value)
+
+        if not isinstance(self.output_kind, RequestOutputKind):
+            _fail("output_kind", "must be a RequestOutputKind", self.output_kind)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling is argmax: temperature below 1e-5 (vLLM's rule)."""
+        return self.temperature < _SAMPLING_EPS
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the engine may fill in max_tokens on its own copy)."""
+        return copy.deepcopy(self)
