@@ -7,7 +7,7 @@ pallas_kernels/reference.py; "pallas" will run the Pallas kernel behind the same
 
 from __future__ import annotations
 
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.reference import ragged_metadata, ragged_paged_attention_reference
 
 BACKENDS = ("auto", "pallas", "xla")
 
@@ -39,10 +39,17 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                    scale: float, layer=None, backend: str = "xla"):
+                    scale: float, layer=None, backend: str = "xla", metadata=None):
     """Ragged paged attention; shapes as in
     pallas_kernels.reference.ragged_paged_attention_reference (q [num_tokens, num_q_heads,
-    head_dim] -> out of the same shape)."""
+    head_dim] -> out of the same shape). `metadata` (from `attention_metadata`) lets the layers
+    of one step share the per-row bookkeeping."""
     return ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
-                                            query_start_loc, num_seqs, scale=scale, layer=layer)
+                                            query_start_loc, num_seqs, scale=scale, layer=layer,
+                                            metadata=metadata)
+
+
+def attention_metadata(num_tokens, block_size, block_tables, seq_lens, query_start_loc, num_seqs):
+    """Per-step row metadata shared by all layers (see pallas_kernels.reference.ragged_metadata)."""
+    return ragged_metadata(num_tokens, block_size, block_tables, seq_lens, query_start_loc, num_seqs)
 

@@ -17,10 +17,15 @@ class LLM:
     """An engine plus a blocking generate loop. Keyword arguments are EngineArgs fields (vLLM's
     names); ValueError names a bad field."""
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs):
         _setup_logging()
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = engine_args if engine_args is not None else EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        return cls(engine_args=args)
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()

@@ -25,6 +25,21 @@ def resolve_max_model_len(args, model_config) -> int:
     return args.max_model_len
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled programs on disk (JAX's persistent compilation cache), so a second start
+    of the same model and buckets skips most of the warmup. JAXKV_COMPILATION_CACHE=0 turns it
+    off; JAXKV_COMPILATION_CACHE=<dir> moves it (default ~/.cache/jaxkv/xla)."""
+    import os
+
+    import jax
+    where = os.environ.get("JAXKV_COMPILATION_CACHE", "")
+    if where == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir",
+                      where or os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def build_engine(cls, args):
     import jax
     import jax.numpy as jnp
@@ -42,6 +57,7 @@ def build_engine(cls, args):
     from jaxkv.runner.model_runner import ModelRunner
 
     t0 = time.perf_counter()
+    enable_compilation_cache()
     platform = jax.default_backend()
     ckpt = load_checkpoint(args.model, args.load_format)
     mc = ModelConfig.from_hf_config(ckpt.config)

@@ -1,7 +1,7 @@
 """Hugging Face tensors -> the Flax parameter tree of LlamaModel, and dummy (random) weights.
 
-HF names (model.layers.{i}.self_attn.q_proj.weight, torch layout [out, in]) become a stacked
-tree (layers/q_proj/kernel [num_layers, in, out]) because the layers run under one nn.scan.
+HF names (model.layers.{i}.self_attn.q_proj.weight, torch layout [out, in]) become
+layers_{i}/q_proj/kernel [in, out].
 """
 
 from __future__ import annotations
@@ -51,18 +51,17 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
         return np.asarray(tensors[name])
 
     out = {"embed_tokens": {"embedding": get("model.embed_tokens.weight")},
-           "norm": {"weight": get("model.norm.weight")}, "layers": {}}
+           "norm": {"weight": get("model.norm.weight")}}
     if not c.tie_word_embeddings:
         out["lm_head"] = {"kernel": get("lm_head.weight").T}
-    for mod, leaves in shapes["layers"].items():
-        hf, transpose = _LAYER_MAP[mod]
-        out["layers"][mod] = {}
-        for leaf in leaves:
-            hf_leaf = "weight" if leaf in ("kernel", "weight") else "bias"
-            arrs = [get(f"model.layers.{i}.{hf}.{hf_leaf}") for i in range(c.num_layers)]
-            if transpose and leaf == "kernel":
-                arrs = [a.T for a in arrs]
-            out["layers"][mod][leaf] = np.stack(arrs)
+    for i in range(c.num_layers):
+        layer = out[f"layers_{i}"] = {}
+        for mod, leaves in shapes[f"layers_{i}"].items():
+            hf, transpose = _LAYER_MAP[mod]
+            layer[mod] = {}
+            for leaf in leaves:
+                a = get(f"model.layers.{i}.{hf}.{'bias' if leaf == 'bias' else 'weight'}")
+                layer[mod][leaf] = a.T if transpose and leaf == "kernel" else a
 
     def check(path, want, got):
         name = "/".join(str(getattr(p, "key", p)) for p in path)

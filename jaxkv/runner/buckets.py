@@ -13,11 +13,19 @@ from __future__ import annotations
 import bisect
 
 
-def default_token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
-    out, b = [], smallest
+def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of 8 below the budget, then the budget: (1, 8, 64, 512) for 512 tokens.
+
+    Each bucket is one compiled program of ~8 s on the 2-core CPU (30 unrolled layers), and
+    the start-up warmup must stay under a minute, so the list is short. It still fits the
+    common steps: 1 is a lone decode (bound by reading the weights, so padding it to 8 rows
+    would cost ~1.5x), 8 and 64 are decode batches (64 = max_num_seqs), and steps that carry
+    a prefill chunk fill the whole budget anyway.
+    """
+    out, b = [], 1
     while b < max_num_batched_tokens:
         out.append(b)
-        b *= 2
+        b *= 8
     out.append(max_num_batched_tokens)
     return tuple(out)
 

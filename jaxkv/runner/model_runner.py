@@ -49,11 +49,13 @@ class ModelRunner:
         self.vocab_size = c.vocab_size
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_cache = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+        self.enforce_eager = enforce_eager
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
-        self._step = jit(self._forward, donate_argnums=(1,))
+        self._step_jit = jit(self._forward, donate_argnums=(1,))
+        self._step_exe: dict[int, object] = {}  # token bucket -> compiled step (AOT)
         self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"))
         self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",))
-        self._jitted = [] if enforce_eager else [self._step, self._sample, self._prompt_lp]
+        self._jitted = [] if enforce_eager else [self._sample, self._prompt_lp]
 
     # ---- jitted bodies ------------------------------------------------------------------
     def _forward(self, params, kv_cache, input_ids, attn):
@@ -73,7 +75,17 @@ class ModelRunner:
     @property
     def num_compilations(self) -> int:
         """Executables compiled for this runner's jitted functions (warmup included)."""
-        return sum(f._cache_size() for f in self._jitted)
+        return len(self._step_exe) + sum(f._cache_size() for f in self._jitted)
+
+    def _step(self, params, kv_cache, input_ids, attn):
+        """The jitted step for this token bucket, compiled ahead of time at warmup (or now)."""
+        if self.enforce_eager:
+            return self._step_jit(params, kv_cache, input_ids, attn)
+        t = input_ids.shape[0]
+        exe = self._step_exe.get(t)
+        if exe is None:
+            exe = self._step_exe[t] = self._step_jit.lower(params, kv_cache, input_ids, attn).compile()
+        return exe(params, kv_cache, input_ids, attn)
 
     def kv_cache_bytes(self) -> int:
         return sum(x.nbytes for x in self.kv_cache)
@@ -161,11 +173,13 @@ class ModelRunner:
         """Compile every token bucket of the step and the greedy/random/filtered sampler for
         every row count. Returns (seconds, programs compiled)."""
         t0, n0 = time.perf_counter(), self.num_compilations
+        empty = SchedulerOutput([])
+        inputs = {t: build_step_input(empty, block_size=self.block_size, num_tokens=t,
+                                      rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks)
+                  for t in self.token_buckets}
         for t in self.token_buckets:
+            si = inputs[t]
             r = num_rows(t, self.max_num_seqs)
-            empty = SchedulerOutput([])
-            si = build_step_input(empty, block_size=self.block_size, num_tokens=t, rows=r,
-                                  max_blocks=self.max_blocks)
             hidden, self.kv_cache = self._step(self.params, self.kv_cache, si.input_ids, si.attn_arrays)
             s_arr = self._sampling_arrays(empty, r)
             for mode in smp.MODES:
