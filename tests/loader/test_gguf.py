@@ -44,15 +44,10 @@ def ours(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path):
+def reference(hf_smollm2):
     """(state_dict as numpy, config, class name) from transformers' GGUF loading, float32."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return {k: v.numpy() for k, v in model.state_dict().items()}, model.config, type(model).__name__
+    return ({k: v.numpy() for k, v in hf_smollm2.state_dict().items()}, hf_smollm2.config,
+            type(hf_smollm2).__name__)
 
 
 @pytest.fixture(scope="module")

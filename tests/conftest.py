@@ -1,0 +1,44 @@
+"""Session-wide fixtures: the embedded model through jaxkv (a few engine configurations) and
+through Hugging Face transformers (PyTorch, float32) as the reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Short bucket lists keep compilation cheap; every engine below shares them, so the persistent
+# compilation cache turns later engines' warmups into cache reads.
+TEST_ENGINE = dict(max_model_len=1024, max_num_batched_tokens=256, token_buckets=(8, 64, 256),
+                   max_num_seqs=32, kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    from jaxkv.loader.gguf import embedded_model_path
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded SmolLM2 in float32 with prefix caching on and an ample pool."""
+    from jaxkv import LLM
+    return LLM(**TEST_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def llm_no_prefix_cache():
+    from jaxkv import LLM
+    return LLM(enable_prefix_caching=False, **TEST_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(gguf_path):
+    """transformers' LlamaForCausalLM from the same GGUF, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
