@@ -65,16 +65,13 @@ class LLM:
     def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
-        added = []
-        try:
-            for rid, p, sp in zip(ids, prompts, params):
-                sp = sp.clone()
-                sp.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(rid, p, sp)
-                added.append(rid)
-        except Exception:
-            engine.abort_request(added)
-            raise
+        checked = []
+        for rid, p, sp in zip(ids, prompts, params):  # validate all before queueing any
+            sp = sp.clone()
+            sp.output_kind = RequestOutputKind.FINAL_ONLY
+            checked.append((rid, *engine.process_inputs(rid, p, sp)))
+        for c in checked:
+            engine.add_processed(*c)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

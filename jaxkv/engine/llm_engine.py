@@ -61,7 +61,12 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError (naming the value) for an empty prompt, token ids
         outside the vocabulary, logprobs above max_logprobs, or a request that can never fit
-        (prompt + max_tokens > max_model_len, or more blocks than the whole pool)."""
+        (prompt + max_tokens > max_model_len, or more blocks than the whole pool); nothing is
+        queued then."""
+        self.add_processed(request_id, *self.process_inputs(request_id, prompt, params), arrival_time)
+
+    def process_inputs(self, request_id: str, prompt, params: SamplingParams | None = None):
+        """Validate and tokenize one request without queueing it: (text, ids, params)."""
         params = (params or SamplingParams()).clone()
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
@@ -86,6 +91,10 @@ class LLMEngine:
                              f"max_tokens), but the KV cache has only {kv.num_total_blocks}")
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        return text, ids, params
+
+    def add_processed(self, request_id: str, text, ids, params, arrival_time=None) -> None:
+        """Queue a request already checked by process_inputs."""
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
         t = arrival_time or time.monotonic()
         children = []

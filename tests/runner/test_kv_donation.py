@@ -1,0 +1,38 @@
+"""The KV pool goes through the jitted step by donation: updated in place, never copied."""
+
+import jax
+import numpy as np
+
+from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.runner.buckets import num_rows
+from jaxkv.runner.step_input import build_step_input
+
+
+def _memory(r, t, kv):
+    si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=t,
+                          rows=num_rows(t, r.max_num_seqs), max_blocks=r.max_blocks)
+    return r._step_jit.lower(r.params, kv, si.input_ids, si.attn_arrays).compile().memory_analysis()
+
+
+def test_step_updates_the_pool_in_place(llm):
+    r = llm.llm_engine.runner
+    layer_bytes = r.kv_cache[0].nbytes // r.kv_cache[0].shape[0]
+    bigger = tuple(jax.ShapeDtypeStruct((x.shape[0], 3 * x.shape[1]) + x.shape[2:], x.dtype)
+                   for x in r.kv_cache)
+    for t in (r.token_buckets[0], r.token_buckets[-1]):
+        mem = _memory(r, t, r.kv_cache)
+        # The outputs alias the donated pool (K and V), and the step's scratch does not grow
+        # with the pool: nothing pool-sized is copied.
+        assert mem.alias_size_in_bytes >= 2 * r.kv_cache[0].nbytes
+        assert _memory(r, t, bigger).temp_size_in_bytes == mem.temp_size_in_bytes
+    # For the decode bucket all temporaries together are smaller than one layer's K cache.
+    assert _memory(r, r.token_buckets[0], r.kv_cache).temp_size_in_bytes < layer_bytes
+    si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=r.token_buckets[0],
+                          rows=num_rows(r.token_buckets[0], r.max_num_seqs), max_blocks=r.max_blocks)
+    ptrs = [x.unsafe_buffer_pointer() for x in r.kv_cache]
+    old = r.kv_cache
+    _, r.kv_cache = r._step(r.params, r.kv_cache, si.input_ids, si.attn_arrays)
+    jax.block_until_ready(r.kv_cache)
+    assert all(x.is_deleted() for x in old)
+    assert [x.unsafe_buffer_pointer() for x in r.kv_cache] == ptrs
+    assert np.isfinite(np.asarray(r.kv_cache[0][:, :2])).all()
