@@ -31,14 +31,6 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return embedded_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def ours(gguf_path):
     return load_gguf(gguf_path)
 
