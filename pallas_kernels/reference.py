@@ -90,7 +90,18 @@ def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, qu
            & (pos[None, :] <= pos[:, None]))
     bias = jnp.where(see, 0.0, -jnp.inf).astype(jnp.float32)
     num_chunks = (jnp.max(prefix) + cb * block_size - 1) // (cb * block_size)
-    return RaggedMetadata(tables, prefix, slot_block, pos % block_size, bias, num_chunks, valid)
+    # Materialise the arrays: left to fusion, XLA:CPU recomputes the whole mask (searchsorted,
+    # gathers, compares) for every element of every [K, T, G, S] loop that uses it, which made
+    # attention 3-4x slower (an optimization_barrier is expanded before fusion on CPU). A loop
+    # with a data-dependent trip count (1 if any row is real, else 0: everything masked) is a
+    # boundary XLA does not fuse through.
+    any_real = (query_start_loc[num_seqs[0]] > 0).astype(jnp.int32)
+    arrays = (tables, prefix, slot_block, pos % block_size, bias, valid)
+    empty = (jnp.zeros_like(tables), jnp.zeros_like(prefix), jnp.zeros_like(slot_block),
+             jnp.zeros_like(slot_block), jnp.full_like(bias, -jnp.inf), jnp.zeros_like(valid))
+    tables, prefix, slot_block, slot_offset, bias, valid = jax.lax.fori_loop(
+        0, any_real, lambda i, _: arrays, empty)
+    return RaggedMetadata(tables, prefix, slot_block, slot_offset, bias, num_chunks, valid)
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
