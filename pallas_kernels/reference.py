@@ -8,7 +8,7 @@ How it computes (all in float32, one online softmax (Milakov & Gimelshein 2018; 
 Dao et al. 2022) over two kinds of keys):
   1. the cached prefix of each sequence (positions before this step's tokens), gathered from the
      pool per query row in chunks of CHUNK_TOKENS, with a trip count set by the longest prefix
-     in the step (0 for a batch of fresh prefills), so memory stays O(num_tokens x chunk);
+     (0 for fresh prefills), so memory stays O(num_tokens x chunk);
   2. this step's own tokens, read back from the pool at their slots and attended densely with a
      block-diagonal causal mask, in key tiles of at most KEY_TILE rows: one GEMM per tile
      instead of a per-row copy of the context.
@@ -69,7 +69,6 @@ class RaggedMetadata(NamedTuple):
     slot_block: jax.Array  # int32 [T]: block holding the row's own K/V
     slot_offset: jax.Array  # int32 [T]
     bias: jax.Array        # float32 [T, T]: 0 where row t may see step token s, else -inf
-    num_chunks: jax.Array  # int32 []: prefix chunks to visit (longest prefix / chunk)
     valid: jax.Array       # bool [T]
 
 
@@ -89,7 +88,6 @@ def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, qu
     see = (valid[:, None] & valid[None, :] & (seq_id[:, None] == seq_id[None, :])
            & (pos[None, :] <= pos[:, None]))
     bias = jnp.where(see, 0.0, -jnp.inf).astype(jnp.float32)
-    num_chunks = (jnp.max(prefix) + cb * block_size - 1) // (cb * block_size)
     # Materialise the arrays: left to fusion, XLA:CPU recomputes the whole mask (searchsorted,
     # gathers, compares) for every element of every [K, T, G, S] loop that uses it, which made
     # attention 3-4x slower (an optimization_barrier is expanded before fusion on CPU). A loop
@@ -101,7 +99,27 @@ def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, qu
              jnp.zeros_like(slot_block), jnp.full_like(bias, -jnp.inf), jnp.zeros_like(valid))
     tables, prefix, slot_block, slot_offset, bias, valid = jax.lax.fori_loop(
         0, any_real, lambda i, _: arrays, empty)
-    return RaggedMetadata(tables, prefix, slot_block, slot_offset, bias, num_chunks, valid)
+    return RaggedMetadata(tables, prefix, slot_block, slot_offset, bias, valid)
+
+
+def _prefix_attention(qf, k_cache, v_cache, layer, tables, prefix, cb, block_size):
+    """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their cached prefixes, gathered
+    per row from the pool in chunks of cb blocks; the trip count follows the longest prefix."""
+    rows, nk, g, d = qf.shape
+    ct = cb * block_size
+
+    def chunk(c, st):
+        blk = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)  # [R, cb]
+        k = k_cache[layer, blk].reshape(rows, ct, nk, d).astype(jnp.float32)
+        v = v_cache[layer, blk].reshape(rows, ct, nk, d).astype(jnp.float32)
+        s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
+        kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
+        bias = jnp.where(kpos[None, :] < prefix[:, None], 0.0, -jnp.inf)[:, None, None, :]
+        return _merge(st, s, v, bias)
+
+    init = (jnp.full((rows, nk, g), -jnp.inf, jnp.float32), jnp.zeros((rows, nk, g), jnp.float32),
+            jnp.zeros((rows, nk, g, d), jnp.float32))
+    return jax.lax.fori_loop(0, (jnp.max(prefix) + ct - 1) // ct, chunk, init)
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -137,23 +155,18 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
         num_tokens, block_size, block_tables, seq_lens, query_start_loc, num_seqs,
         chunk_tokens=chunk_tokens)
     cb = md.tables.shape[1] - block_tables.shape[1]  # blocks per prefix chunk
-    ct = cb * block_size
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
-    state = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-             jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-             jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
 
-    # 1. Cached prefix, per row, chunk by chunk.
-    def prefix_chunk(c, st):
-        blk = jax.lax.dynamic_slice_in_dim(md.tables, c * cb, cb, axis=1)  # [T, cb]
-        k = k_cache[layer, blk].reshape(num_tokens, ct, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_cache[layer, blk].reshape(num_tokens, ct, num_kv_heads, head_dim).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
-        kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
-        bias = jnp.where(kpos[None, :] < md.prefix[:, None], 0.0, -jnp.inf)[:, None, None, :]
-        return _merge(st, s, v, bias)
-
-    state = jax.lax.fori_loop(0, md.num_chunks, prefix_chunk, state)
+    # 1. Cached prefix, per row, chunk by chunk, in two row groups with their own trip counts:
+    # the scheduler puts running requests (decodes) first, so in a step that mixes decodes with
+    # fresh prefill chunks the second group has no prefix and its loop runs zero times.
+    split = num_tokens // 8 if num_tokens >= 128 else num_tokens
+    parts = []
+    for lo, hi in ((0, split), (split, num_tokens)):
+        if hi > lo:
+            parts.append(_prefix_attention(qf[lo:hi], k_cache, v_cache, layer, md.tables[lo:hi],
+                                           md.prefix[lo:hi], cb, block_size))
+    state = tuple(jnp.concatenate(xs) for xs in zip(*parts)) if len(parts) > 1 else parts[0]
 
     # 2. This step's own tokens, dense with a block-diagonal causal mask.
     k_new = k_cache[layer, md.slot_block, md.slot_offset].astype(jnp.float32)  # [T, K, D]
