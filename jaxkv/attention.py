@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pallas_kernels.reference import ragged_metadata, ragged_paged_attention_reference
 
-BACKENDS = ("auto", "pallas", "xla")
+from jaxkv.config import ATTENTION_BACKENDS as BACKENDS
 
 
 def resolve_backend(name: str, platform: str) -> str:

@@ -51,8 +51,8 @@ def cmd_generate(ns) -> int:
     from jaxkv.llm import LLM
     from jaxkv.sampling_params import SamplingParams
 
-    sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                        seed=ns.seed_sampling)
+    # Unseeded requests draw their seed from the engine's --seed, so runs are reproducible.
+    sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
     llm = LLM.from_engine_args(engine_args_from(ns))
     tok = llm.get_tokenizer()
     t0 = time.perf_counter()
@@ -109,7 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     add_engine_flags(g)
     g.set_defaults(func=cmd_generate)

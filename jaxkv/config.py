@@ -6,12 +6,12 @@ configs from these fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from jaxkv.attention import BACKENDS
 from jaxkv.core.kv_budget import parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
 GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's usual default for online serving
@@ -28,8 +28,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int or a string such as "1GiB"; sizing precedence is
     num_gpu_blocks_override, then kv_cache_memory_bytes, then gpu_memory_utilization (GPU), and
     exactly 1 GiB on CPU.
-    token_buckets: padding sizes for the number of tokens in a step (None = powers of two from
-    16 to max_num_batched_tokens); tests pass short lists to compile less.
+    token_buckets: padding sizes for the number of tokens in a step (None = powers of 8 below
+    max_num_batched_tokens, then the budget: 1, 8, 64, 512); tests pass short lists.
     swap_space, tensor_parallel_size: reserved (only the defaults are supported).
     """
     model: str | None = None
@@ -79,8 +79,8 @@ class EngineArgs:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"must be one of {LOAD_FORMATS}")
-        if self.attention_backend not in BACKENDS:
-            bad("attention_backend", f"must be one of {BACKENDS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             bad("max_logprobs", "must be an integer >= 0")
         if not isinstance(self.seed, int):
@@ -94,7 +94,3 @@ class EngineArgs:
             if not b or b[0] < 1:
                 bad("token_buckets", "must be a non-empty list of positive integers")
             self.token_buckets = b
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

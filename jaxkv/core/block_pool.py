@@ -66,9 +66,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
-
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop n blocks from the front of the free queue (evicting their cached hashes)."""
         if n > len(self.free_queue):

@@ -38,7 +38,8 @@ class KVCacheManager:
 
         Returns (block ids, number of tokens they hold). The hit never covers the last token:
         it must be computed to produce logits. Requests asking for prompt_logprobs get no hit
-        (their whole prompt is computed). Counts prefix_cache_queries/hits in tokens.
+        (their whole prompt is computed). The scheduler counts the lookup once the request is
+        admitted (record_prefix_lookup).
         """
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -50,9 +51,12 @@ class KVCacheManager:
             if bid is None:
                 break
             hit.append(bid)
-        self.prefix_cache_queries += req.num_tokens
-        self.prefix_cache_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count one admitted request's lookup (prompt tokens asked for / found)."""
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate_slots(self, req, num_new_tokens: int, new_computed_blocks: list[int] = ()) -> bool:

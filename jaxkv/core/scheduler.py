@@ -19,13 +19,11 @@ from jaxkv.engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
         self.kv = kv
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -78,6 +76,24 @@ class Scheduler:
             budget -= n
             i += 1
 
+        budget = self._schedule_waiting(chosen, budget, preempted, now)
+        if not chosen and not self.running and self.waiting:
+            # Only forked children (n > 1) hold blocks while waiting; if they starve the head
+            # of the queue, they give their shared blocks back and recompute (or hit the cache).
+            for req in self.waiting:
+                if self.kv.get_block_ids(req.request_id):
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
+            budget = self._schedule_waiting(chosen, budget, [], now)
+            if not chosen:
+                raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, "
+                                   f"{self.kv.num_free_blocks} free blocks")
+
+        scheduled = [self._describe(req, n) for req, n in chosen]
+        return SchedulerOutput(scheduled, preempted)
+
+    def _schedule_waiting(self, chosen, budget, preempted, now) -> int:
+        """Admit waiting requests in FCFS order while budget, seats and blocks last."""
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit = [], 0
@@ -87,8 +103,10 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break
             self.waiting.popleft()
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission: count the prefix-cache lookup
                 req.num_cached_tokens = num_hit
+                if self.kv.enable_caching and req.sampling_params.prompt_logprobs is None:
+                    self.kv.record_prefix_lookup(req.num_prompt_tokens, num_hit)
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
             if req.times.first_scheduled_time is None:
@@ -96,9 +114,7 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
-
-        scheduled = [self._describe(req, n) for req, n in chosen]
-        return SchedulerOutput(scheduled, preempted)
+        return budget
 
     def _describe(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -106,7 +122,7 @@ class Scheduler:
         penalties = (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
                      or sp.frequency_penalty != 0.0)
         targets = []
-        if sp.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
+        if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
             targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
         self.num_computed_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         return ScheduledRequest(

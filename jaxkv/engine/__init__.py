@@ -1,5 +1,13 @@
-"""Engine layer: LLMEngine (add_request / step / abort_request)."""
+"""Engine layer: LLMEngine (add_request / step / abort_request).
 
-from jaxkv.engine.llm_engine import LLMEngine
+Imported lazily so that host bookkeeping (jaxkv.core, jaxkv.engine.request) stays free of JAX.
+"""
 
 __all__ = ["LLMEngine"]
+
+
+def __getattr__(name):
+    if name == "LLMEngine":
+        from jaxkv.engine.llm_engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)

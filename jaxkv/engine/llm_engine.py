@@ -32,7 +32,7 @@ class LLMEngine:
         self.kv_budget = kv_budget
         self.max_model_len = max_model_len
         self.output_processor = OutputProcessor(tokenizer, max_model_len)
-        self.eos_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else None
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
         self._seed_rng = np.random.default_rng(args.seed)
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -79,6 +79,9 @@ class LLMEngine:
             v = getattr(params, name)
             if v is not None and v > self.args.max_logprobs:
                 raise ValueError(f"{name}: requested {v}, more than max_logprobs={self.args.max_logprobs}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt length ({len(ids)} tokens) must be shorter than max_model_len "
+                             f"({self.max_model_len}) to leave room for at least one new token")
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -89,7 +92,7 @@ class LLMEngine:
         if need > kv.num_total_blocks:
             raise ValueError(f"request needs {need} blocks ({len(ids)} prompt + {params.max_tokens} "
                              f"max_tokens), but the KV cache has only {kv.num_total_blocks}")
-        if request_id in self.output_processor.groups:
+        if request_id in self.output_processor.groups or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return text, ids, params
 
@@ -100,7 +103,7 @@ class LLMEngine:
         children = []
         for j in range(params.n):
             rid = request_id if params.n == 1 else f"{j}_{request_id}"
-            r = Request(rid, ids, params, self.eos_token_id, seed, sample_index=j,
+            r = Request(rid, ids, params, self.eos_token_ids, seed, sample_index=j,
                         parent_id=request_id, prompt=text)
             r.times.arrival_time = t
             children.append(r)
@@ -128,7 +131,7 @@ class LLMEngine:
             req = sched.requests[s.request_id]
             g = op.child_to_group[req.request_id]
             if s.request_id in res.prompt_logprobs:
-                op.add_prompt_logprobs(req, res.prompt_logprobs[s.request_id])
+                op.add_prompt_logprobs(req, s.num_computed_tokens + 1, res.prompt_logprobs[s.request_id])
             if s.request_id not in res.sampled:
                 continue
             status = op.process_token(req, res.sampled[s.request_id], res.logprobs.get(s.request_id))

@@ -61,11 +61,15 @@ class OutputProcessor:
                 d[int(i)] = Logprob(float(lp), r + 1, self.token_text(int(i)))
         return d
 
-    def add_prompt_logprobs(self, req: Request, data) -> None:
+    def add_prompt_logprobs(self, req: Request, first_position: int, data) -> None:
+        """Logprob dicts for prompt positions first_position.. (a chunk); positions already
+        filled (a chunk recomputed after preemption) are kept."""
         target_lp, ranks, top_lp, top_ids = data
-        start = len(req.prompt_logprobs)
-        targets = req.prompt_token_ids[start:start + len(target_lp)]
-        for j, t in enumerate(targets):
+        for j in range(len(target_lp)):
+            pos = first_position + j
+            if pos < len(req.prompt_logprobs):
+                continue
+            t = req.prompt_token_ids[pos]
             req.prompt_logprobs.append(self.logprob_dict(top_ids[j], top_lp[j], None,
                                                          (t, target_lp[j], ranks[j])))
 
@@ -83,7 +87,8 @@ class OutputProcessor:
         stopped_by_token = before + 1 >= sp.min_tokens and token in req.stop_ids
         stop_str = detok.update([token], before, stop_terminated=stopped_by_token)
         if stopped_by_token:
-            req.stop_reason = token if token in sp.stop_token_ids else None  # None for EOS, as vLLM
+            is_eos = token in req.eos_token_ids and not sp.ignore_eos
+            req.stop_reason = None if is_eos else token  # None for EOS, as vLLM
             return RequestStatus.FINISHED_STOPPED
         if stop_str is not None:
             req.stop_reason = stop_str

@@ -49,7 +49,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: Any
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...] | int | None  # the model's end-of-sequence ids
     seed: int
     sample_index: int = 0
     parent_id: str | None = None
@@ -69,6 +69,10 @@ class Request:
     cumulative_logprob: float | None = None
 
     def __post_init__(self):
+        if self.eos_token_ids is None:
+            self.eos_token_ids = ()
+        elif isinstance(self.eos_token_ids, int):
+            self.eos_token_ids = (self.eos_token_ids,)
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if not self.times.arrival_time:
@@ -81,11 +85,11 @@ class Request:
 
     @property
     def stop_ids(self) -> list[int]:
-        """Token ids that end the request: stop_token_ids, and EOS unless ignore_eos."""
+        """Token ids that end the request: stop_token_ids, and every EOS id unless ignore_eos."""
         sp = self.sampling_params
         ids = list(sp.stop_token_ids or [])
-        if self.eos_token_id is not None and not sp.ignore_eos:
-            ids.append(self.eos_token_id)
+        if not sp.ignore_eos:
+            ids.extend(t for t in self.eos_token_ids if t not in ids)
         return ids
 
     @property

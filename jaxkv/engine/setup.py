@@ -99,8 +99,7 @@ def build_engine(cls, args):
                          token_buckets=buckets, max_logprobs=args.max_logprobs,
                          enforce_eager=args.enforce_eager)
     kv = KVCacheManager(budget.num_blocks, args.block_size, args.enable_prefix_caching)
-    scheduler = Scheduler(kv, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=mnbt,
-                          max_model_len=max_model_len)
+    scheduler = Scheduler(kv, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=mnbt)
     logger.info("loaded %s (%s, %s, %.1f M params) in %.1f s", args.model or "SmolLM2-135M-Instruct",
                 mc.architecture, jnp.dtype(dtype).name, weight_bytes / jnp.dtype(dtype).itemsize / 1e6,
                 time.perf_counter() - t0)

@@ -32,7 +32,26 @@ def load_checkpoint(model: str | None, load_format: str = "auto"):
             return Checkpoint(read_gguf_config(model), {}, tokenizer_from_gguf(model))
         return load_gguf(model)
     from jaxkv.loader.hf import load_hf_dir
-    return load_hf_dir(model, load_weights=not dummy)
+    ckpt = load_hf_dir(model, load_weights=not dummy)
+    _merge_generation_config_eos(model, ckpt.config)
+    return ckpt
+
+
+def _merge_generation_config_eos(folder: str, config: dict) -> None:
+    """vLLM stops on every EOS id of the model, including those only generation_config.json
+    lists (Llama 3 Instruct's <|eot_id|>, Qwen2.5's <|im_end|>)."""
+    import json
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        extra = json.load(f).get("eos_token_id")
+    ids = []
+    for v in (config.get("eos_token_id"), extra):
+        for t in (v if isinstance(v, list) else [v]):
+            if t is not None and t not in ids:
+                ids.append(t)
+    config["eos_token_id"] = ids
 
 
 def read_config(model: str | None) -> dict:

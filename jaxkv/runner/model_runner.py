@@ -87,9 +87,6 @@ class ModelRunner:
             exe = self._step_exe[t] = self._step_jit.lower(params, kv_cache, input_ids, attn).compile()
         return exe(params, kv_cache, input_ids, attn)
 
-    def kv_cache_bytes(self) -> int:
-        return sum(x.nbytes for x in self.kv_cache)
-
     # ---- one step -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         total = out.total_num_scheduled_tokens
@@ -115,7 +112,7 @@ class ModelRunner:
         s_arr = self._sampling_arrays(out, r)
         pen = self._penalty_arrays(out, r) if any(_needs_penalties(s) for _, s in rows) else None
         o = self._sample(self.params, hidden, logits_indices, s_arr, pen, mode=mode,
-                         num_logprobs=self.max_logprobs if want_lp else 0)
+                         num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
         o = jax.device_get(o)
         for i, s in rows:
             res.sampled[s.request_id] = int(o.token_ids[i])
@@ -161,7 +158,8 @@ class ModelRunner:
         for i, s in enumerate(out.scheduled):
             n = len(s.prompt_logprob_targets)
             targets[qsl[i]:qsl[i] + n] = s.prompt_logprob_targets
-        o = jax.device_get(self._prompt_lp(self.params, hidden, targets, num_logprobs=self.max_logprobs))
+        o = jax.device_get(self._prompt_lp(self.params, hidden, targets,
+                                           num_logprobs=max(1, self.max_logprobs)))
         for i, s in enumerate(out.scheduled):
             n, k = len(s.prompt_logprob_targets), s.sampling_params.prompt_logprobs
             if n:

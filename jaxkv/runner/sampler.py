@@ -109,7 +109,7 @@ def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, *, mode: 
     if num_logprobs:
         lp = jax.nn.log_softmax(raw, axis=-1)
         chosen = jnp.take_along_axis(lp, tokens[:, None], -1)[:, 0]
-        rank = (jnp.sum(lp > chosen[:, None], axis=-1) + 1).astype(jnp.int32)
+        rank = jnp.sum(lp >= chosen[:, None], axis=-1).astype(jnp.int32)  # as vLLM
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
         return SamplerOutput(tokens, chosen, rank, top_lp, top_ids.astype(jnp.int32))
     z = jnp.zeros((r,), jnp.float32)
@@ -122,6 +122,6 @@ def prompt_logprobs(logits, targets, *, num_logprobs: int):
     (target logprob [T], target rank [T], top logprobs [T, k], top ids [T, k])."""
     lp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(lp, targets[:, None], -1)[:, 0]
-    rank = (jnp.sum(lp > chosen[:, None], axis=-1) + 1).astype(jnp.int32)
+    rank = jnp.sum(lp >= chosen[:, None], axis=-1).astype(jnp.int32)  # as vLLM
     top_lp, top_ids = jax.lax.top_k(lp, max(num_logprobs, 1))
     return chosen, rank, top_lp[:, :num_logprobs], top_ids[:, :num_logprobs].astype(jnp.int32)
