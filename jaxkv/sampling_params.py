@@ -192,6 +192,12 @@ class SamplingParams:
         """True when sampling is argmax: temperature below 1e-5 (vLLM's rule)."""
         return self.temperature < _SAMPLING_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of repetition/presence/frequency penalty is active."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     def clone(self) -> SamplingParams:
         """A deep copy (the engine may fill in max_tokens on its own copy)."""
         return copy.deepcopy(self)

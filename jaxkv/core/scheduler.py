@@ -119,8 +119,7 @@ class Scheduler:
     def _describe(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         sp = req.sampling_params
-        penalties = (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
-                     or sp.frequency_penalty != 0.0)
+        penalties = sp.has_penalties
         targets = []
         if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
             targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]

@@ -187,9 +187,7 @@ class ModelRunner:
 
 
 def _needs_penalties(s) -> bool:
-    p = s.sampling_params
-    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or bool(_banned_ids(s)))
+    return s.sampling_params.has_penalties or bool(_banned_ids(s))
 
 
 def _banned_ids(s) -> list[int]:
