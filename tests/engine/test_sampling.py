@@ -91,6 +91,19 @@ def test_n_samples_share_the_prompt_and_differ(llm):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in o.outputs]
 
 
+def test_n_samples_share_blocks_without_prefix_caching(llm_no_prefix_cache):
+    eng = llm_no_prefix_cache
+    s0 = eng.stats()
+    o = eng.chat(CHAT, SamplingParams(n=3, temperature=0.8, seed=2, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)[0]
+    s1 = eng.stats()
+    n_prompt = len(o.prompt_token_ids)
+    computed = s1.num_computed_prompt_tokens - s0.num_computed_prompt_tokens
+    assert computed < n_prompt + 2 * 16  # the children recompute at most their partial last block
+    assert len(o.outputs) == 3 and all(len(c.token_ids) == 8 for c in o.outputs)
+    assert s1.num_free_blocks == s1.num_total_blocks
+
+
 def test_logprobs_and_prompt_logprobs_format(llm):
     o = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3, logprobs=3,
                                                                  prompt_logprobs=2), use_tqdm=False)[0]
