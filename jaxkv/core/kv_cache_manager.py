@@ -8,7 +8,7 @@ writes every token's K/V before any attention of that layer reads the cache).
 
 from __future__ import annotations
 
-from jaxkv.core.block_pool import BlockPool, hash_block_tokens
+from .block_pool import BlockPool, hash_block_tokens
 
 
 def cdiv(a: int, b: int) -> int:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from jaxkv.core.kv_cache_manager import KVCacheManager
-from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from jaxkv.engine.request import Request, RequestStatus
+from .kv_cache_manager import KVCacheManager
+from .scheduler_output import ScheduledRequest, SchedulerOutput
+from ..engine.request import Request, RequestStatus
 
 
 class Scheduler:
