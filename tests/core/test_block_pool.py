@@ -1,7 +1,6 @@
 """Block pool and KV cache manager with tiny pools and exact block ids."""
 
 import random
-from types import SimpleNamespace
 
 import pytest
 

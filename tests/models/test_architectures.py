@@ -42,8 +42,6 @@ BLOCK = 4
 
 def run_paged(runner, ids, chunks, block_ids):
     """Feed `ids` in chunks of the given sizes; return logits [len(ids), vocab] from jaxkv."""
-    import jax
-    import jax.numpy as jnp
     from jaxkv.runner.buckets import num_rows, pick_bucket
     from jaxkv.runner.step_input import build_step_input
 
