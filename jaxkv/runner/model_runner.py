@@ -142,7 +142,7 @@ class ModelRunner:
         freq = np.zeros(r, np.float32)
         prompt = np.full((r, L), v, np.int32)
         output = np.full((r, L), v, np.int32)
-        banned_lists = [_banned_ids(s) for s in out.scheduled]
+        banned_lists = [s.min_tokens_banned_ids for s in out.scheduled]
         banned = np.full((r, pow2_at_least(max(map(len, banned_lists), default=0))), v, np.int32)
         for i, s in enumerate(out.scheduled):
             p = s.sampling_params
@@ -187,12 +187,6 @@ class ModelRunner:
 
 
 def _needs_penalties(s) -> bool:
-    return s.sampling_params.has_penalties or bool(_banned_ids(s))
-
-
-def _banned_ids(s) -> list[int]:
-    """Stop token ids (and EOS) banned while fewer than min_tokens outputs exist (vLLM's
-    MinTokensLogitsProcessor)."""
-    if s.num_output_tokens >= s.sampling_params.min_tokens:
-        return []
-    return s.min_tokens_banned_ids
+    """Penalties, or the min_tokens ban (the scheduler lists the banned stop ids only while
+    fewer than min_tokens outputs exist, as vLLM's MinTokensLogitsProcessor)."""
+    return s.sampling_params.has_penalties or bool(s.min_tokens_banned_ids)
