@@ -1,4 +1,4 @@
-"""`jaxkv generate | plan` (the server issue adds `serve`). Engine flags are spelled as vLLM's.
+"""`jaxkv generate | plan | serve`. Engine flags are spelled as vLLM's.
 
 Bad flags give a one-line error (exit status 2), never a traceback.
 """
@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(pl)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
+    from serve.server import add_serve_parser
+    add_serve_parser(sub)
     return p
 
 

@@ -59,6 +59,8 @@ def read_config(model: str | None) -> dict:
     if model is None:
         from jaxkv.loader.gguf import embedded_model_path
         model = embedded_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model {model!r}: no such file or folder")
     if os.path.isfile(model) and model.endswith(".gguf"):
         from jaxkv.loader.gguf import read_gguf_config
         return read_gguf_config(model)

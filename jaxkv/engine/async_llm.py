@@ -1,0 +1,207 @@
+"""AsyncLLM: the LLMEngine driven by its own thread, with one async stream of outputs per request.
+
+Shaped like vLLM's ``AsyncLLM``: ``add_request`` (validates at once, raises ValueError and
+queues nothing on bad input) returns a ``RequestStream``; ``generate`` is the async-generator
+form; ``abort`` frees a request's blocks before the engine's next step. ``LLMEngine.step()``
+never runs on the event loop: a step can take hundreds of milliseconds on a CPU, and HTTP
+handling and other streams must go on meanwhile. The engine thread owns the engine; the loop
+thread only tokenizes, validates and posts commands (add / abort) into an inbox the engine
+thread drains between steps. Outputs reach each stream with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from typing import AsyncIterator
+
+from jaxkv.engine.stat_logger import LoggingStatLogger
+from jaxkv.outputs import RequestOutput
+from jaxkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxkv")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; no request can be served any more."""
+
+
+class RequestStream:
+    """Async iterator over one request's RequestOutputs; ends after the finished one.
+    Raises EngineDeadError if the engine dies while the request runs."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is None:  # ended without a final output (aborted before it produced one)
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncLLM:
+    """Wraps an LLMEngine (see ``from_engine_args``). ``stat_loggers``: objects with
+    ``record(outputs)``, called on the engine thread after every step with that step's
+    RequestOutputs (the Prometheus logger of the server is one). ``log_stats``: the
+    every-5-seconds throughput log line (vLLM's LoggingStatLogger)."""
+
+    def __init__(self, engine, *, log_stats: bool = True, stat_loggers=(), log_interval_s: float = 5.0):
+        self.engine = engine
+        self.stat_loggers = list(stat_loggers)
+        self._log = LoggingStatLogger(log_interval_s) if log_stats else None
+        self._inbox: deque = deque()
+        self._cond = threading.Condition()
+        self._streams: dict[str, RequestStream] = {}
+        self._stats = engine.stats()
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args, **kwargs) -> "AsyncLLM":
+        from jaxkv.engine.llm_engine import LLMEngine
+        return cls(LLMEngine.from_engine_args(args), **kwargs)
+
+    # ---- caller side (event loop thread) -------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    def stats(self):
+        """EngineStats as of the engine thread's last loop turn (safe from any thread)."""
+        return self._stats
+
+    def process_inputs(self, request_id: str, prompt, params: SamplingParams | None):
+        """Validate and tokenize without queueing (ValueError on bad input)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return self.engine.process_inputs(request_id, prompt, params)
+
+    def add_processed(self, request_id: str, processed) -> RequestStream:
+        """Queue a request checked by process_inputs; outputs arrive on the returned stream."""
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._post(("add", request_id, processed))
+        return stream
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> RequestStream:
+        return self.add_processed(request_id, self.process_inputs(request_id, prompt, params))
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str = "0") -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (shaped by sampling_params.output_kind). Closing
+        or cancelling the iterator before the end aborts the request."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_ids) -> None:
+        """Abort requests (their blocks are freed before the next step). Unknown or
+        finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self._post(("abort", list(request_ids)))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (after the step in flight); unfinished streams get
+        EngineDeadError."""
+        self._post(("stop",))
+        self._thread.join()
+
+    def _post(self, cmd) -> None:
+        with self._cond:
+            self._inbox.append(cmd)
+            self._cond.notify()
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not engine.has_unfinished_requests():
+                        self._stats = engine.stats()
+                        if self._log is not None:  # the last line of a burst, then baselines
+                            self._log.maybe_log(self._stats)
+                        self._cond.wait(self._log.interval_s if self._log is not None else None)
+                    cmds = list(self._inbox)
+                    self._inbox.clear()
+                outputs = []
+                for cmd in cmds:
+                    if cmd[0] == "stop":
+                        raise EngineDeadError("the engine was shut down")
+                    if cmd[0] == "add":
+                        _, rid, (text, ids, params) = cmd
+                        engine.add_processed(rid, text, ids, params)
+                    else:
+                        outputs += engine.abort_request(cmd[1])
+                        for rid in cmd[1]:
+                            s = self._streams.get(rid)
+                            if s is not None and not any(o.request_id == rid for o in outputs):
+                                self._finish_stream(rid, None)
+                if engine.has_unfinished_requests():
+                    outputs += engine.step()
+                self._stats = engine.stats()
+                for lg in self.stat_loggers:
+                    lg.record(outputs)
+                for out in outputs:
+                    s = self._streams.get(out.request_id)
+                    if s is not None:
+                        s.put(out)
+                        if out.finished:
+                            self._streams.pop(out.request_id, None)
+                if self._log is not None:
+                    self._log.maybe_log(self._stats)
+        except BaseException as e:  # noqa: BLE001 - every stream must learn that the engine died
+            self.dead = e
+            if not isinstance(e, EngineDeadError):
+                logger.exception("engine thread died")
+            err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine stopped: {e!r}")
+            for rid in list(self._streams):
+                self._finish_stream(rid, err)
+            try:  # leave the engine clean: no request holds blocks
+                engine.abort_request(list(engine.output_processor.groups))
+                self._stats = engine.stats()
+            except Exception:  # noqa: BLE001 - best effort after a failure
+                logger.exception("could not abort the requests of a dead engine")
+
+    def _finish_stream(self, rid: str, err) -> None:
+        s = self._streams.pop(rid, None)
+        if s is not None:
+            s.put(err)
+
+
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]

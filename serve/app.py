@@ -1,0 +1,136 @@
+"""The FastAPI app: OpenAI routes (/v1/...), vLLM's /health, /version, /tokenize, /detokenize
+and /metrics. `build_app(ctx, metrics)` wires them to a ServerContext; serve/server.py runs it."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import jaxkv
+from serve.chat import create_chat_completion, render_chat
+from serve.completions import create_completion
+from serve.context import ServerContext
+from serve.errors import APIError, error_body, install_error_handlers
+from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+MAX_BODY_BYTES = 10 * 1024 * 1024
+
+
+class GuardMiddleware:
+    """Pure ASGI: 401 on /v1 routes without the API key (when one is set), 413 for a request
+    body above MAX_BODY_BYTES (by Content-Length, or counted while it streams in)."""
+
+    def __init__(self, app, ctx: ServerContext):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.ctx.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.ctx.api_key}".encode()):
+                return await _send_json(send, 401, error_body("invalid or missing API key", 401))
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return await _send_json(send, 413, error_body(
+                f"request body of {int(length)} bytes is above the limit of {MAX_BODY_BYTES}", 413))
+        seen, too_big = 0, False
+
+        async def counted_receive():
+            nonlocal seen, too_big
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > MAX_BODY_BYTES:
+                    too_big = True
+                    raise APIError(f"request body is above the limit of {MAX_BODY_BYTES} bytes", 413)
+            return msg
+
+        try:
+            await self.app(scope, counted_receive, send)
+        except APIError as e:
+            if not too_big:
+                raise
+            await _send_json(send, 413, error_body(e.message, 413))
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def build_app(ctx: ServerContext, metrics) -> FastAPI:
+    app = FastAPI(title="jaxkv", version=jaxkv.__version__, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, ctx=ctx)
+
+    def engine():
+        if not ctx.ready:
+            why = ctx.start_error or "the engine is starting (warmup)"
+            raise APIError(f"not ready: {why}", 503)
+        return ctx.engine
+
+    @app.get("/health")
+    async def health():
+        if not ctx.ready:
+            return JSONResponse(error_body("the engine is not ready", 503), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxkv.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "jaxkv",
+                "root": ctx.model_path or ctx.model_name, "parent": None}
+        if ctx.ready:
+            card["max_model_len"] = ctx.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        engine()
+        return await create_completion(req, ctx, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        engine()
+        return await create_chat_completion(req, ctx, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        eng = engine()
+        ctx.check_model(req.model)
+        tok = eng.get_tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt or messages", 400, "prompt")
+        if req.messages is not None:
+            ids = render_chat(tok, req.messages, req.add_generation_prompt)["prompt_token_ids"]
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        eng = engine()
+        ctx.check_model(req.model)
+        vocab = eng.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
+        return {"prompt": eng.get_tokenizer().decode(req.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,133 @@
+"""POST /v1/completions (OpenAI's legacy completions API, as vLLM serves it).
+
+prompt: a string, a list of strings, a list of token ids, or a list of such lists; each prompt
+is one engine request with n samples, and choice index = prompt index * n + sample index.
+echo prepends the prompt (with logprobs, the prompt's logprobs come from prompt_logprobs).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from serve.context import ServerContext
+from serve.errors import APIError, bad_request
+from serve.protocol import CompletionRequest
+from serve.streams import RequestBatch, SSEResponse, collect_or_abort, sse_events
+
+
+def _prompts(req: CompletionRequest) -> list:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise APIError("prompt must not be empty", 400, "prompt")
+    if isinstance(p[0], int):
+        return [{"prompt_token_ids": list(p)}]
+    if isinstance(p[0], list):
+        return [{"prompt_token_ids": list(x)} for x in p]
+    return list(p)
+
+
+def _logprobs_block(entries, token_ids, offset: int, k: int | None, tokenizer) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, d in zip(token_ids, entries):
+        if d is None:  # the first prompt token has no logprob (vLLM: its text, then nulls)
+            out["tokens"].append(tokenizer.decode([tid]))
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            lp = d[tid]
+            out["tokens"].append(lp.decoded_token)
+            out["token_logprobs"].append(lp.logprob)
+            top = sorted(d.values(), key=lambda x: x.rank or 0)
+            out["top_logprobs"].append({x.decoded_token: x.logprob for x in top[: (k or 0) + 1]})
+        out["text_offset"].append(offset)
+        offset += len(out["tokens"][-1] or "")
+    return out
+
+
+async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise APIError("suffix is not supported", 400, "suffix")
+    prompts = _prompts(req)
+    try:
+        params = req.sampling_params(req.max_tokens, req.logprobs,
+                                     req.logprobs if req.echo and req.logprobs is not None else None)
+    except ValueError as e:
+        raise bad_request(e) from e
+    params.output_kind = ctx.delta
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    batch = RequestBatch(ctx.engine, rid)
+    batch.add(prompts, params)
+    created, n = int(time.time()), req.n
+    tok = ctx.engine.get_tokenizer()
+    prompt_text = [pr[0] if pr[0] is not None else tok.decode(pr[1]) for pr in batch.processed]
+    state = {"usage": [0, 0, 0], "echoed": set(), "prompt_lp": {}}
+
+    def choice(i, out, c):
+        idx = i * n + c.index
+        first = idx not in state["echoed"]
+        state["echoed"].add(idx)
+        if out.prompt_logprobs is not None:
+            state["prompt_lp"][i] = out.prompt_logprobs
+        text, lp = (prompt_text[i] + c.text if req.echo and first else c.text), None
+        if req.logprobs is not None:
+            ids, entries = list(c.token_ids), list(c.logprobs or [])
+            if req.echo and first and i in state["prompt_lp"]:
+                ids = list(out.prompt_token_ids) + ids
+                entries = list(state["prompt_lp"][i]) + entries
+            lp = _logprobs_block(entries, ids, 0, req.logprobs, tok)
+        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def count(out):
+        u = state["usage"]
+        u[1] += sum(len(c.token_ids) for c in out.outputs)
+        if out.finished:
+            u[0] += len(out.prompt_token_ids)
+            u[2] += out.num_cached_tokens
+
+    def usage():
+        p, c, cached = state["usage"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+    if req.stream:
+        async def chunks():
+            async for i, out in batch.merged():
+                count(out)
+                for c in out.outputs:
+                    yield {**base, "choices": [choice(i, out, c)]}
+            if req.stream_options and req.stream_options.include_usage:
+                yield {**base, "choices": [], "usage": usage()}
+        return SSEResponse(sse_events(batch, chunks()))
+
+    async def collect():
+        texts: dict[int, dict] = {}
+        async for i, out in batch.merged():
+            count(out)
+            for c in out.outputs:
+                ch = choice(i, out, c)
+                prev = texts.get(ch["index"])
+                if prev is None:
+                    texts[ch["index"]] = ch
+                    continue
+                prev["text"] += ch["text"]
+                prev["finish_reason"], prev["stop_reason"] = ch["finish_reason"], ch["stop_reason"]
+                if ch["logprobs"] is not None:
+                    for key in ("tokens", "token_logprobs", "top_logprobs"):
+                        prev["logprobs"][key] += ch["logprobs"][key]
+        for ch in texts.values():  # text offsets over the whole text
+            if ch["logprobs"] is not None:
+                off, offs = 0, []
+                for t in ch["logprobs"]["tokens"]:
+                    offs.append(off)
+                    off += len(t or "")
+                ch["logprobs"]["text_offset"] = offs
+        return {**base, "choices": [texts[k] for k in sorted(texts)], "usage": usage()}
+
+    return await collect_or_abort(raw, batch, collect())

@@ -1,0 +1,31 @@
+"""ServerContext: what the routes share (the AsyncLLM once warm, the served model name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxkv.sampling_params import RequestOutputKind
+from serve.errors import APIError
+
+
+@dataclass
+class ServerContext:
+    model_name: str
+    model_path: str | None = None
+    engine: object | None = None      # AsyncLLM, set when warmup is done
+    api_key: str | None = None
+    start_error: str | None = None     # why the engine could not start
+    created: int = 0
+    extra: dict = field(default_factory=dict)
+    # The routes always ask for DELTA outputs (non-streaming ones join them), so every step
+    # reaches the metrics and inter-token latency is observed per token.
+    delta: RequestOutputKind = RequestOutputKind.DELTA
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and getattr(self.engine, "dead", None) is None
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model name this server does not serve (None means the served one)."""
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist.", 404, "model")

@@ -1,0 +1,101 @@
+"""Prometheus metrics for GET /metrics, with vLLM's names under the `jaxkv:` prefix.
+
+Names, meanings and histogram bucket edges follow vLLM's V1 PrometheusStatLogger
+(vllm/v1/metrics/loggers.py). Gauges and counters are read from the engine's stats at scrape
+time (EngineStats, the same numbers as `LLM.stats()`); histograms and the per-reason success
+counter are fed from RequestOutput.metrics on the engine thread after every step
+(`record(outputs)`). Every series carries the label model_name.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+_GAUGES = (("num_requests_running", "num_running", "Number of requests in model execution batches."),
+           ("num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+           ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+           ("num_free_blocks", "num_free_blocks", "Free KV-cache blocks (cached ones included)."),
+           ("num_total_blocks", "num_total_blocks", "Usable KV-cache blocks."))
+_COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
+             ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
+             ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+             ("prompt_tokens", "num_prompt_tokens", "Number of prefill tokens processed."),
+             ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."))
+
+
+class _EngineCollector:
+    def __init__(self, stats_fn, model_name: str):
+        self.stats_fn, self.model_name = stats_fn, model_name
+
+    def collect(self):
+        s = self.stats_fn()
+        if s is None:
+            return
+        for name, field, doc in _GAUGES:
+            g = GaugeMetricFamily(f"jaxkv:{name}", doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(getattr(s, field)))
+            yield g
+        for name, field, doc in _COUNTERS:
+            c = CounterMetricFamily(f"jaxkv:{name}", doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(getattr(s, field)))
+            yield c
+
+
+class PrometheusStatLogger:
+    """`registry` holds every series; `stats_fn()` returns the current EngineStats (or None
+    before the engine exists). `record(outputs)` is the AsyncLLM stat-logger hook."""
+
+    def __init__(self, stats_fn, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(stats_fn, model_name))
+        labels = ["model_name"]
+        h = dict(labelnames=labels, registry=self.registry)
+        self.ttft = Histogram("jaxkv:time_to_first_token_seconds", "Histogram of time to first "
+                              "token in seconds.", buckets=TTFT_BUCKETS, **h).labels(model_name)
+        self.itl = Histogram("jaxkv:inter_token_latency_seconds", "Histogram of inter-token "
+                             "latency in seconds.", buckets=ITL_BUCKETS, **h).labels(model_name)
+        self.e2e = Histogram("jaxkv:e2e_request_latency_seconds", "Histogram of end to end "
+                             "request latency in seconds.", buckets=REQUEST_LATENCY_BUCKETS,
+                             **h).labels(model_name)
+        self.queue = Histogram("jaxkv:request_queue_time_seconds", "Histogram of time spent "
+                               "waiting before the first step of a request, in seconds.",
+                               buckets=REQUEST_LATENCY_BUCKETS, **h).labels(model_name)
+        self.success = Counter("jaxkv:request_success", "Count of finished requests, by "
+                               "finish reason.", labelnames=["model_name", "finished_reason"],
+                               registry=self.registry)
+        self._last_token: dict[str, float] = {}
+        self._counted: dict[str, set[int]] = {}
+
+    def record(self, outputs) -> None:
+        for o in outputs:
+            m = o.metrics
+            if m is None:
+                continue
+            last = self._last_token.get(o.request_id)
+            if last is None and m.first_token_time is not None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            elif last is not None and m.last_token_time is not None and m.last_token_time > last:
+                self.itl.observe(m.last_token_time - last)
+            if m.last_token_time is not None:
+                self._last_token[o.request_id] = m.last_token_time
+            done = self._counted.setdefault(o.request_id, set())
+            for c in o.outputs:  # each sample once, whatever the output kind
+                if c.finish_reason is not None and c.index not in done:
+                    done.add(c.index)
+                    self.success.labels(self.model_name, c.finish_reason).inc()
+            if o.finished:
+                self._last_token.pop(o.request_id, None)
+                self._counted.pop(o.request_id, None)
+                if m.finished_time is not None:
+                    self.e2e.observe(m.finished_time - m.arrival_time)

@@ -1,0 +1,89 @@
+"""`jaxkv serve`: start uvicorn at once (so /health can answer 503 during warmup), build and
+warm the engine on a side thread, then serve. A bad flag or model path is a one-line error
+before anything starts; an engine that fails to build stops the server with status 1."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+logger = logging.getLogger("jaxkv")
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(model: str | None, override: str | None) -> str:
+    """--served-model-name, else the embedded model's name, else MODEL as given (vLLM)."""
+    if override:
+        return override
+    return EMBEDDED_MODEL_NAME if model is None else model
+
+
+def run_server(ns) -> int:
+    import uvicorn
+
+    from jaxkv.cli import engine_args_from
+    from jaxkv.engine.async_llm import AsyncLLM
+    from jaxkv.llm import _setup_logging
+    from jaxkv.loader.source import read_config
+    from serve.app import build_app
+    from serve.context import ServerContext
+    from serve.metrics import PrometheusStatLogger
+
+    if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
+        raise ValueError(f"two models given: {ns.model_tag!r} (positional) and --model {ns.model!r}")
+    ns.model = ns.model_tag if ns.model_tag is not None else ns.model
+    if ns.port is not None and not 0 <= ns.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+    args = engine_args_from(ns)  # validates every engine flag
+    read_config(args.model)      # a missing or unreadable model fails here, in one line
+    _setup_logging()
+    from prometheus_client import disable_created_metrics
+    disable_created_metrics()  # as vLLM: no *_created series
+
+    ctx = ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
+                        model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
+                        created=int(time.time()))
+    metrics = PrometheusStatLogger(lambda: ctx.engine.stats() if ctx.engine is not None else None,
+                                   ctx.model_name)
+    app = build_app(ctx, metrics)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info",
+                            timeout_graceful_shutdown=5, access_log=not ns.disable_log_requests)
+    server = uvicorn.Server(config)
+    status = {"code": 0}
+
+    def start_engine():
+        try:
+            ctx.engine = AsyncLLM.from_engine_args(args, log_stats=not ns.disable_log_stats,
+                                                   stat_loggers=[metrics])
+            logger.info("serving %s at http://%s:%d/v1 (ready)", ctx.model_name, ns.host, ns.port)
+        except Exception as e:  # noqa: BLE001 - reported, then the server stops
+            ctx.start_error = f"{type(e).__name__}: {e}"
+            logger.error("the engine failed to start: %s", ctx.start_error)
+            status["code"] = 1
+            server.should_exit = True
+
+    threading.Thread(target=start_engine, name="jaxkv-startup", daemon=True).start()
+    server.run()
+    if ctx.engine is not None:
+        ctx.engine.shutdown()
+    return status["code"]
+
+
+def add_serve_parser(sub) -> None:
+    from jaxkv.cli import add_engine_flags
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file or a Hugging Face model folder (default: the embedded model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also JAXKV_API_KEY)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: SmolLM2-135M-Instruct or MODEL)")
+    s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    s.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
+    add_engine_flags(s)
+    s.set_defaults(func=run_server)

@@ -1,0 +1,140 @@
+"""Plumbing shared by the generation routes: adding a batch of requests atomically, merging
+their output streams, Server-Sent Events, and aborting on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from jaxkv.engine.async_llm import AsyncLLM, EngineDeadError
+from serve.errors import APIError, bad_request, error_body
+
+logger = logging.getLogger("jaxkv")
+
+
+class RequestBatch:
+    """The engine requests behind one HTTP request (one per prompt). `add` validates every
+    prompt before queueing any, so a bad one loses nothing; `abort` stops whatever is still
+    running (client gone). Iterate with `merged()` for (prompt index, RequestOutput)."""
+
+    def __init__(self, engine: AsyncLLM, base_id: str):
+        self.engine, self.base_id = engine, base_id
+        self.ids: list[str] = []
+        self.streams = []
+        self.finished: set[int] = set()
+
+    def add(self, prompts, params) -> None:
+        ids = [self.base_id if len(prompts) == 1 else f"{self.base_id}-{i}" for i in range(len(prompts))]
+        try:
+            processed = [self.engine.process_inputs(rid, p, params) for rid, p in zip(ids, prompts)]
+        except EngineDeadError as e:
+            raise APIError(str(e), 503) from e
+        except ValueError as e:
+            raise bad_request(e) from e
+        self.ids = ids
+        self.streams = [self.engine.add_processed(rid, pr) for rid, pr in zip(ids, processed)]
+        self.processed = processed
+
+    async def merged(self) -> AsyncIterator[tuple[int, object]]:
+        """Outputs of all streams in arrival order."""
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                if out.finished:
+                    self.finished.add(0)
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
+            try:
+                async for out in stream:
+                    await q.put((i, out))
+                await q.put((i, None))
+            except BaseException as e:  # noqa: BLE001 - hand engine errors to the consumer
+                await q.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await q.get()
+                if item is None:
+                    left -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self.finished.add(i)
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def abort(self) -> None:
+        left = [rid for i, rid in enumerate(self.ids) if i not in self.finished]
+        if left:
+            self.engine.abort(left)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def sse_events(batch: RequestBatch, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """`data: {chunk}` lines, then `data: [DONE]`. An engine failure after the headers went
+    out becomes an error event; leaving early (client gone) aborts the batch."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except EngineDeadError as e:
+        yield sse(error_body(str(e), 503))
+    finally:
+        batch.abort()
+    yield "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that closes its body iterator however the response ends, so a
+    client that disconnects aborts its requests at once (not when the generator is
+    garbage-collected)."""
+
+    def __init__(self, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def collect_or_abort(raw: Request, batch: RequestBatch, coro):
+    """Run a non-streaming request to its end, unless the client disconnects first: then
+    its requests are aborted (blocks freed) and None is returned."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while True:
+            msg = await raw.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        logger.info("client disconnected; aborting %s", batch.base_id)
+        return None
+    except EngineDeadError as e:
+        raise APIError(str(e), 503) from e
+    finally:
+        watch.cancel()
+        work.cancel()
+        batch.abort()

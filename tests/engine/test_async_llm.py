@@ -1,0 +1,154 @@
+"""AsyncLLM: the engine on its own thread, async output streams, aborts that free blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jaxkv.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+
+
+@pytest.fixture
+def async_llm(llm):
+    """An AsyncLLM around the session engine; shut down (thread joined) after the test, and
+    the engine must then hold no request and no block."""
+    engine = llm.llm_engine
+    engine.reset_prefix_cache()
+    a = AsyncLLM(engine, log_stats=False)
+    yield a
+    a.shutdown()
+    assert not engine.has_unfinished_requests()
+    s = engine.stats()
+    assert s.num_free_blocks == s.num_total_blocks
+
+
+def _greedy(n, kind=RequestOutputKind.DELTA, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=kind, **kw)
+
+
+def test_delta_stream_joins_to_the_offline_result(llm, async_llm):
+    prompt = "The three primary colors are"
+    ref = llm.generate(prompt, _greedy(12, RequestOutputKind.FINAL_ONLY), use_tqdm=False)[0].outputs[0]
+
+    async def run():
+        ids, text, finished = [], "", []
+        async for out in async_llm.generate(prompt, _greedy(12), request_id="a"):
+            c = out.outputs[0]
+            ids += c.token_ids
+            text += c.text
+            finished.append(out.finished)
+        return ids, text, finished
+
+    ids, text, finished = asyncio.run(run())
+    assert ids == ref.token_ids and text == ref.text
+    assert finished[-1] and not any(finished[:-1])
+
+
+def test_steps_run_off_the_event_loop_and_the_loop_stays_responsive(async_llm):
+    engine = async_llm.engine
+    step_threads, real_step = set(), engine.step
+
+    def slow_step():  # make every step take long enough that a blocked loop would show
+        step_threads.add(threading.get_ident())
+        time.sleep(0.05)
+        return real_step()
+
+    engine.step = slow_step
+    try:
+        async def run():
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.005)
+                    ticks += 1
+
+            t = asyncio.create_task(ticker())
+            t0 = time.monotonic()
+            outs = [o async for o in async_llm.generate("Hello", _greedy(8), request_id="b")]
+            elapsed = time.monotonic() - t0
+            t.cancel()
+            return outs, ticks, elapsed, threading.get_ident()
+
+        outs, ticks, elapsed, loop_thread = asyncio.run(run())
+    finally:
+        del engine.step
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 8
+    assert step_threads and loop_thread not in step_threads
+    # >= 8 steps of 50 ms ran; a loop blocked by them would tick almost never.
+    assert ticks >= 0.5 * elapsed / 0.005 * 0.5, (ticks, elapsed)
+
+
+def test_concurrent_requests_all_finish_with_their_own_outputs(llm, async_llm):
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(6)]
+    refs = [o.outputs[0].token_ids for o in
+            llm.generate(prompts, _greedy(6, RequestOutputKind.FINAL_ONLY), use_tqdm=False)]
+
+    async def one(i):
+        ids = []
+        async for out in async_llm.generate(prompts[i], _greedy(6), request_id=f"c{i}"):
+            ids += out.outputs[0].token_ids
+        return ids
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    assert asyncio.run(run()) == refs
+
+
+def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(async_llm):
+    async def run():
+        gen = async_llm.generate("Once upon a time " * 20, _greedy(400), request_id="d")
+        seen = [await gen.__anext__() for _ in range(3)]
+        in_use = async_llm.stats().num_total_blocks - async_llm.stats().num_free_blocks
+        await gen.aclose()
+        for _ in range(200):  # the engine thread applies the abort before its next step
+            s = async_llm.stats()
+            if s.num_running == 0 and s.num_free_blocks == s.num_total_blocks:
+                break
+            await asyncio.sleep(0.01)
+        return seen, in_use, async_llm.stats()
+
+    seen, in_use, s = asyncio.run(run())
+    assert len(seen) == 3 and not seen[-1].finished
+    assert in_use > 0
+    assert s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
+
+
+def test_bad_input_raises_at_once_and_queues_nothing(async_llm):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await async_llm.add_request("e", "hi", _greedy(5000))
+        with pytest.raises(ValueError, match="vocabulary"):
+            await async_llm.add_request("e", {"prompt_token_ids": [1, 10**7]}, _greedy(4))
+        stream = await async_llm.add_request("e", "hi", _greedy(2))  # the id is still free
+        with pytest.raises(ValueError, match="already in use"):
+            await async_llm.add_request("e", "hi", _greedy(2))
+        return [o async for o in stream]
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and outs[-1].request_id == "e"
+
+
+def test_shutdown_ends_open_streams_with_engine_dead_error(llm):
+    a = AsyncLLM(llm.llm_engine, log_stats=False)
+
+    async def run():
+        stream = await a.add_request("f", "Tell me a story", _greedy(500))
+        await stream.__anext__()
+        threading.Thread(target=a.shutdown).start()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        await asyncio.sleep(0)
+        with pytest.raises(EngineDeadError):
+            await a.add_request("g", "hi", _greedy(2))
+
+    asyncio.run(run())
+    a._thread.join()
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -1,0 +1,37 @@
+"""The periodic throughput log line (vLLM's LoggingStatLogger shape)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from jaxkv.engine.stat_logger import LoggingStatLogger
+from jaxkv.engine.stats import EngineStats
+
+IDLE = EngineStats(num_total_blocks=100, num_free_blocks=100, kv_cache_usage=0.0,
+                   prefix_cache_queries=0, prefix_cache_hits=0, num_prompt_tokens=0,
+                   num_computed_prompt_tokens=0, num_generation_tokens=0, num_preemptions=0,
+                   num_compilations=0, num_running=0, num_waiting=0)
+
+
+def test_rates_over_the_interval_and_silence_when_idle():
+    now = [0.0]
+    lg = LoggingStatLogger(5.0, clock=lambda: now[0])
+    assert lg.maybe_log(IDLE) is None          # baseline
+    now[0] = 2.0
+    busy = replace(IDLE, num_computed_prompt_tokens=1000, num_generation_tokens=50, num_running=3,
+                   num_waiting=2, num_free_blocks=75, kv_cache_usage=0.25,
+                   prefix_cache_queries=400, prefix_cache_hits=100, num_preemptions=1)
+    assert lg.maybe_log(busy) is None          # interval not over yet
+    now[0] = 5.0
+    line = lg.maybe_log(busy)
+    assert line == ("Avg prompt throughput: 200.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
+                    "Running: 3 reqs, Waiting: 2 reqs, Preemptions: 1, KV cache usage: 25.0%, "
+                    "Prefix cache hit rate: 25.0%")
+    now[0] = 10.0
+    done = replace(busy, num_running=0, num_waiting=0, num_generation_tokens=100,
+                   prefix_cache_queries=500, prefix_cache_hits=200)
+    line = lg.maybe_log(done)                  # the burst's last line: 50 tokens in 5 s
+    assert "Avg generation throughput: 10.0 tokens/s" in line and "Running: 0 reqs" in line
+    assert "Prefix cache hit rate: 100.0%" in line  # 100 hits of 100 queries in this interval
+    now[0] = 20.0
+    assert lg.maybe_log(done) is None          # nothing happened: no line
