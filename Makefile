@@ -17,5 +17,8 @@ install-dev:
 demo: install
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m jaxkv.demo
 
+serve: install
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m jaxkv.cli serve
+
 test: install-dev
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q tests
