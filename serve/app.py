@@ -21,8 +21,9 @@ MAX_BODY_BYTES = 10 * 1024 * 1024
 
 
 class GuardMiddleware:
-    """Pure ASGI: 401 on /v1 routes without the API key (when one is set), 413 for a request
-    body above MAX_BODY_BYTES (by Content-Length, or counted while it streams in)."""
+    """Pure ASGI: 401 on /v1 routes without the API key (when one is set); 413 for a request
+    body above MAX_BODY_BYTES, by Content-Length or, for chunked bodies, counted while the
+    body is read here (it is then replayed to the app)."""
 
     def __init__(self, app, ctx: ServerContext):
         self.app, self.ctx = app, ctx
@@ -36,27 +37,32 @@ class GuardMiddleware:
             if not hmac.compare_digest(given.encode(), f"Bearer {self.ctx.api_key}".encode()):
                 return await _send_json(send, 401, error_body("invalid or missing API key", 401))
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return await _send_json(send, 413, error_body(
-                f"request body of {int(length)} bytes is above the limit of {MAX_BODY_BYTES}", 413))
-        seen, too_big = 0, False
-
-        async def counted_receive():
-            nonlocal seen, too_big
+        if length is not None and length.isdigit():
+            if int(length) > MAX_BODY_BYTES:
+                return await _send_json(send, 413, error_body(
+                    f"request body of {int(length)} bytes is above the limit of {MAX_BODY_BYTES}", 413))
+            return await self.app(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, seen = [], 0
+        while True:  # a body without Content-Length: read it here, counting
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > MAX_BODY_BYTES:
-                    too_big = True
-                    raise APIError(f"request body is above the limit of {MAX_BODY_BYTES} bytes", 413)
-            return msg
+            if msg["type"] != "http.request":
+                return
+            seen += len(msg.get("body", b""))
+            if seen > MAX_BODY_BYTES:
+                return await _send_json(send, 413, error_body(
+                    f"request body is above the limit of {MAX_BODY_BYTES} bytes", 413))
+            chunks.append(msg)
+            if not msg.get("more_body"):
+                break
+        replay = iter(chunks)
 
-        try:
-            await self.app(scope, counted_receive, send)
-        except APIError as e:
-            if not too_big:
-                raise
-            await _send_json(send, 413, error_body(e.message, 413))
+        async def replay_receive():
+            msg = next(replay, None)
+            return msg if msg is not None else await receive()
+
+        await self.app(scope, replay_receive, send)
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -68,20 +74,21 @@ async def _send_json(send, status: int, body: dict) -> None:
 
 
 def build_app(ctx: ServerContext, metrics) -> FastAPI:
+    """The app for `ctx` (the engine may arrive later: routes answer 503 until it does);
+    `metrics` is the PrometheusStatLogger whose registry /metrics exposes."""
     app = FastAPI(title="jaxkv", version=jaxkv.__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, ctx=ctx)
 
     def engine():
         if not ctx.ready:
-            why = ctx.start_error or "the engine is starting (warmup)"
-            raise APIError(f"not ready: {why}", 503)
+            raise APIError(f"not ready: {ctx.not_ready_reason()}", 503)
         return ctx.engine
 
     @app.get("/health")
     async def health():
         if not ctx.ready:
-            return JSONResponse(error_body("the engine is not ready", 503), status_code=503)
+            return JSONResponse(error_body(ctx.not_ready_reason(), 503), status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")

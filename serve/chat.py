@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from serve.context import ServerContext
+from serve.context import OUTPUT_KIND, ServerContext
 from serve.errors import APIError, bad_request
 from serve.protocol import ChatCompletionRequest
-from serve.streams import RequestBatch, SSEResponse, collect_or_abort, sse_events
+from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
 
 
 def render_chat(tokenizer, messages, add_generation_prompt: bool = True, kwargs=None) -> dict:
@@ -47,6 +47,7 @@ def _logprob_content(entries, token_ids, k: int) -> list[dict]:
 
 async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext, raw):
     ctx.check_model(req.model)
+    check_unsupported(req)
     tok = ctx.engine.get_tokenizer()
     prompt = render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     k = (req.top_logprobs or 0) if req.logprobs else None
@@ -56,7 +57,7 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, k)
     except ValueError as e:
         raise bad_request(e) from e
-    params.output_kind = ctx.delta
+    params.output_kind = OUTPUT_KIND
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     batch = RequestBatch(ctx.engine, rid)
     batch.add([prompt], params)

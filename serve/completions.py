@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from serve.context import ServerContext
+from serve.context import OUTPUT_KIND, ServerContext
 from serve.errors import APIError, bad_request
 from serve.protocol import CompletionRequest
-from serve.streams import RequestBatch, SSEResponse, collect_or_abort, sse_events
+from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
 
 
 def _prompts(req: CompletionRequest) -> list:
@@ -29,8 +29,9 @@ def _prompts(req: CompletionRequest) -> list:
     return list(p)
 
 
-def _logprobs_block(entries, token_ids, offset: int, k: int | None, tokenizer) -> dict:
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+def _logprobs_block(entries, token_ids, offset: int, k: int | None, tokenizer) -> tuple[dict, int]:
+    """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
+    these tokens, their text starting at character `offset`; and the offset after them."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, d in zip(token_ids, entries):
         if d is None:  # the first prompt token has no logprob (vLLM: its text, then nulls)
@@ -45,27 +46,30 @@ def _logprobs_block(entries, token_ids, offset: int, k: int | None, tokenizer) -
             out["top_logprobs"].append({x.decoded_token: x.logprob for x in top[: (k or 0) + 1]})
         out["text_offset"].append(offset)
         offset += len(out["tokens"][-1] or "")
-    return out
+    return out, offset
 
 
 async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     ctx.check_model(req.model)
+    check_unsupported(req)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(f"best_of must equal n ({req.n}), got {req.best_of}", 400, "best_of")
     prompts = _prompts(req)
     try:
         params = req.sampling_params(req.max_tokens, req.logprobs,
                                      req.logprobs if req.echo and req.logprobs is not None else None)
     except ValueError as e:
         raise bad_request(e) from e
-    params.output_kind = ctx.delta
+    params.output_kind = OUTPUT_KIND
     rid = f"cmpl-{uuid.uuid4().hex}"
     batch = RequestBatch(ctx.engine, rid)
     batch.add(prompts, params)
     created, n = int(time.time()), req.n
     tok = ctx.engine.get_tokenizer()
     prompt_text = [pr[0] if pr[0] is not None else tok.decode(pr[1]) for pr in batch.processed]
-    state = {"usage": [0, 0, 0], "echoed": set(), "prompt_lp": {}}
+    state = {"usage": [0, 0, 0], "echoed": set(), "prompt_lp": {}, "offset": {}}
 
     def choice(i, out, c):
         idx = i * n + c.index
@@ -79,7 +83,8 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
             if req.echo and first and i in state["prompt_lp"]:
                 ids = list(out.prompt_token_ids) + ids
                 entries = list(state["prompt_lp"][i]) + entries
-            lp = _logprobs_block(entries, ids, 0, req.logprobs, tok)
+            lp, state["offset"][idx] = _logprobs_block(entries, ids, state["offset"].get(idx, 0),
+                                                       req.logprobs, tok)
         return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
@@ -119,15 +124,8 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
                 prev["text"] += ch["text"]
                 prev["finish_reason"], prev["stop_reason"] = ch["finish_reason"], ch["stop_reason"]
                 if ch["logprobs"] is not None:
-                    for key in ("tokens", "token_logprobs", "top_logprobs"):
+                    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                         prev["logprobs"][key] += ch["logprobs"][key]
-        for ch in texts.values():  # text offsets over the whole text
-            if ch["logprobs"] is not None:
-                off, offs = 0, []
-                for t in ch["logprobs"]["tokens"]:
-                    offs.append(off)
-                    off += len(t or "")
-                ch["logprobs"]["text_offset"] = offs
         return {**base, "choices": [texts[k] for k in sorted(texts)], "usage": usage()}
 
     return await collect_or_abort(raw, batch, collect())

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jaxkv.sampling_params import RequestOutputKind
 from serve.errors import APIError
+
+# The routes always ask for DELTA outputs (non-streaming ones join them), so every step
+# reaches the metrics and inter-token latency is observed per token.
+OUTPUT_KIND = RequestOutputKind.DELTA
 
 
 @dataclass
@@ -16,14 +20,17 @@ class ServerContext:
     api_key: str | None = None
     start_error: str | None = None     # why the engine could not start
     created: int = 0
-    extra: dict = field(default_factory=dict)
-    # The routes always ask for DELTA outputs (non-streaming ones join them), so every step
-    # reaches the metrics and inter-token latency is observed per token.
-    delta: RequestOutputKind = RequestOutputKind.DELTA
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and getattr(self.engine, "dead", None) is None
+        return self.engine is not None and self.engine.dead is None
+
+    def not_ready_reason(self) -> str:
+        if self.start_error:
+            return f"the engine failed to start: {self.start_error}"
+        if self.engine is None:
+            return "the engine is starting (warmup)"
+        return f"the engine stopped: {self.engine.dead!r}"
 
     def check_model(self, name: str | None) -> None:
         """404 for a model name this server does not serve (None means the served one)."""

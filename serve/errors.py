@@ -39,18 +39,16 @@ def error_response(message: str, status: int, param: str | None = None) -> JSONR
 
 
 _FIELD = re.compile(r"^([a-z_]+)\b")
+_ONE_WORD_FIELDS = {"n", "temperature", "seed", "stop", "logprobs", "prompt", "messages", "tokens"}
 
 
 def bad_request(e: ValueError) -> APIError:
     """A ValueError from SamplingParams / the engine as a 400; `param` is the field its
-    message starts with (those messages name the field first)."""
+    message starts with (those messages name the field first: "top_k must be ...")."""
     msg = str(e)
     m = _FIELD.match(msg)
-    param = m.group(1) if m and "_" in m.group(1) or m and m.group(1) in _ONE_WORD_FIELDS else None
-    return APIError(msg, 400, param)
-
-
-_ONE_WORD_FIELDS = {"n", "temperature", "seed", "stop", "logprobs", "prompt", "messages", "tokens"}
+    word = m.group(1) if m else ""
+    return APIError(msg, 400, word if "_" in word or word in _ONE_WORD_FIELDS else None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

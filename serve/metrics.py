@@ -27,7 +27,6 @@ _GAUGES = (("num_requests_running", "num_running", "Number of requests in model 
 _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
              ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
              ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
-             ("prompt_tokens", "num_prompt_tokens", "Number of prefill tokens processed."),
              ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."))
 
 
@@ -72,6 +71,9 @@ class PrometheusStatLogger:
         self.success = Counter("jaxkv:request_success", "Count of finished requests, by "
                                "finish reason.", labelnames=["model_name", "finished_reason"],
                                registry=self.registry)
+        self.prompt_tokens = Counter("jaxkv:prompt_tokens", "Number of prefill tokens processed "
+                                     "(counted when a request's prefill is done).",
+                                     labelnames=labels, registry=self.registry).labels(model_name)
         self._last_token: dict[str, float] = {}
         self._counted: dict[str, set[int]] = {}
 
@@ -81,7 +83,8 @@ class PrometheusStatLogger:
             if m is None:
                 continue
             last = self._last_token.get(o.request_id)
-            if last is None and m.first_token_time is not None:
+            if last is None and m.first_token_time is not None:  # prefill done (vLLM counts then)
+                self.prompt_tokens.inc(len(o.prompt_token_ids))
                 self.ttft.observe(m.first_token_time - m.arrival_time)
                 if m.first_scheduled_time is not None:
                     self.queue.observe(m.first_scheduled_time - m.arrival_time)

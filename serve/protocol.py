@@ -76,6 +76,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class TextPart(_Base):
@@ -103,6 +104,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
 

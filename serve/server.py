@@ -50,7 +50,7 @@ def run_server(ns) -> int:
                                    ctx.model_name)
     app = build_app(ctx, metrics)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info",
-                            timeout_graceful_shutdown=5, access_log=not ns.disable_log_requests)
+                            timeout_graceful_shutdown=5, access_log=not ns.disable_uvicorn_access_log)
     server = uvicorn.Server(config)
     status = {"code": 0}
 
@@ -64,6 +64,13 @@ def run_server(ns) -> int:
             logger.error("the engine failed to start: %s", ctx.start_error)
             status["code"] = 1
             server.should_exit = True
+            return
+        while not server.should_exit:  # as vLLM: a dead engine stops the server (status 1),
+            if ctx.engine.dead is not None:  # so a supervisor can restart it
+                logger.error("the engine stopped (%r); shutting the server down", ctx.engine.dead)
+                status["code"] = 1
+                server.should_exit = True
+            time.sleep(0.5)
 
     threading.Thread(target=start_engine, name="jaxkv-startup", daemon=True).start()
     server.run()
@@ -84,6 +91,6 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: SmolLM2-135M-Instruct or MODEL)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
-    s.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     add_engine_flags(s)
     s.set_defaults(func=run_server)

@@ -26,6 +26,7 @@ class RequestBatch:
         self.engine, self.base_id = engine, base_id
         self.ids: list[str] = []
         self.streams = []
+        self.processed = []   # (text, token ids, params) per prompt, as the engine checked them
         self.finished: set[int] = set()
 
     def add(self, prompts, params) -> None:
@@ -36,9 +37,12 @@ class RequestBatch:
             raise APIError(str(e), 503) from e
         except ValueError as e:
             raise bad_request(e) from e
-        self.ids = ids
-        self.streams = [self.engine.add_processed(rid, pr) for rid, pr in zip(ids, processed)]
-        self.processed = processed
+        self.ids, self.processed = ids, processed
+        try:
+            for rid, pr in zip(ids, processed):
+                self.streams.append(self.engine.add_processed(rid, pr))
+        except EngineDeadError as e:
+            raise APIError(str(e), 503) from e
 
     async def merged(self) -> AsyncIterator[tuple[int, object]]:
         """Outputs of all streams in arrival order."""
@@ -81,7 +85,16 @@ class RequestBatch:
             self.engine.abort(left)
 
 
+def check_unsupported(req) -> None:
+    """400 for request fields jaxkv does not implement, rather than silently ignoring them."""
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", 400, "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options can only be set when stream is true", 400, "stream_options")
+
+
 def sse(obj) -> str:
+    """One Server-Sent Event carrying obj as JSON."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 

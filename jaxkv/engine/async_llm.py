@@ -89,9 +89,11 @@ class AsyncLLM:
     # ---- caller side (event loop thread) -------------------------------------------------
     @property
     def max_model_len(self) -> int:
+        """Longest prompt + output in tokens."""
         return self.engine.max_model_len
 
     def get_tokenizer(self):
+        """The engine's tokenizer (thread-safe for encode/decode)."""
         return self.engine.get_tokenizer()
 
     def stats(self):
@@ -107,17 +109,24 @@ class AsyncLLM:
         return self.engine.process_inputs(request_id, prompt, params)
 
     def add_processed(self, request_id: str, processed) -> RequestStream:
-        """Queue a request checked by process_inputs; outputs arrive on the returned stream."""
+        """Queue a request checked by process_inputs; outputs arrive on the returned stream.
+        Raises EngineDeadError if the engine has stopped (checked under the inbox lock, so a
+        stream is never registered with a dead engine)."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
-        self._streams[request_id] = stream
-        self._post(("add", request_id, processed))
+        with self._cond:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+            self._streams[request_id] = stream
+            self._inbox.append(("add", request_id, processed))
+            self._cond.notify()
         return stream
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> RequestStream:
+        """Validate (ValueError, nothing queued) and queue one request; returns its stream."""
         return self.add_processed(request_id, self.process_inputs(request_id, prompt, params))
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str = "0") -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, sampling_params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (shaped by sampling_params.output_kind). Closing
         or cancelling the iterator before the end aborts the request."""
         stream = await self.add_request(request_id, prompt, sampling_params)
@@ -186,12 +195,13 @@ class AsyncLLM:
                 if self._log is not None:
                     self._log.maybe_log(self._stats)
         except BaseException as e:  # noqa: BLE001 - every stream must learn that the engine died
-            self.dead = e
             if not isinstance(e, EngineDeadError):
                 logger.exception("engine thread died")
             err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine stopped: {e!r}")
-            for rid in list(self._streams):
-                self._finish_stream(rid, err)
+            with self._cond:  # no stream can be added after this
+                self.dead = e
+                for rid in list(self._streams):
+                    self._finish_stream(rid, err)
             try:  # leave the engine clean: no request holds blocks
                 engine.abort_request(list(engine.output_processor.groups))
                 self._stats = engine.stats()

@@ -75,6 +75,10 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        params.top_k = min(params.top_k, vocab)  # as vLLM: top_k above the vocabulary keeps all
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.args.max_logprobs:

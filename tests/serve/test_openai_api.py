@@ -99,6 +99,20 @@ def test_completions_n_and_multiple_prompts_index_choices(client):
     assert [c.text for c in same_seed.choices] == [c.text for c in r.choices if c.index < 2]
 
 
+def test_completions_stream_n2_two_prompts_logprobs(server):
+    body = {"model": MODEL, "prompt": ["The sky is", "Water is"], "n": 2, "max_tokens": 6,
+            "temperature": 0.9, "seed": 5, "logprobs": 1, "stream": True, "ignore_eos": True}
+    chunks = _sse(server, "/v1/completions", body)
+    for idx in range(4):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == idx]
+        assert sum(c["finish_reason"] is not None for c in mine) == 1 and mine[-1]["finish_reason"] == "length"
+        offsets = [o for c in mine for o in c["logprobs"]["text_offset"]]
+        tokens = [t for c in mine for t in c["logprobs"]["tokens"]]
+        assert len(tokens) == 6
+        assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(6)]  # carried across chunks
+        assert "".join(tokens) == "".join(c["text"] for c in mine)
+
+
 def test_completion_logprobs_and_echo(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
                                   temperature=0, logprobs=3)
