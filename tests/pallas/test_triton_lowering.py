@@ -13,6 +13,16 @@ from pallas_kernels import paged_attention, ragged_paged_attention
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
+def lower_for_h200(f, *args):
+    """StableHLO text of f lowered for CUDA. jax >= 0.11 asks which GPU to target when none is
+    attached: an abstract mesh with an H200 abstract device names it (jax 0.10 needs none)."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def shapes(dtype, group, head_dim, block_size, tokens=24, seqs=5, layers=2):
     kvh = 2
     sd = jax.ShapeDtypeStruct
@@ -31,7 +41,7 @@ def test_ragged_kernel_lowers_to_triton(dtype, group, head_dim, block_size):
     s = shapes(dtype, group, head_dim, block_size)
     f = jax.jit(lambda q, k, v, bt, sl, qsl, ns, layer: ragged_paged_attention(
         q, k, v, bt, sl, qsl, ns, scale=head_dim ** -0.5, layer=layer))
-    text = f.trace(*s.values()).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(f, *s.values())
     assert text.count(TRITON_CALL) == 1
 
 
@@ -41,8 +51,7 @@ def test_decode_kernel_lowers_to_triton(dtype, group, head_dim, block_size, spli
     s = shapes(dtype, group, head_dim, block_size, tokens=5)
     f = jax.jit(lambda q, k, v, bt, sl, layer: paged_attention(
         q, k, v, bt, sl, scale=head_dim ** -0.5, layer=layer, num_splits=splits))
-    text = f.trace(s["q"], s["k"], s["v"], s["bt"], s["sl"], s["layer"]).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(f, s["q"], s["k"], s["v"], s["bt"], s["sl"], s["layer"])
     assert text.count(TRITON_CALL) == 1
 
 
@@ -58,4 +67,4 @@ def test_lowering_check_can_fail():
         kernel, out_shape=jax.ShapeDtypeStruct((12,), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(x))
     with pytest.raises(Exception, match="power of 2"):
-        f.trace(jax.ShapeDtypeStruct((12,), jnp.float32)).lower(lowering_platforms=("cuda",))
+        lower_for_h200(f, jax.ShapeDtypeStruct((12,), jnp.float32))
