@@ -12,8 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from pallas_kernels.paged_attention import paged_attention as decode_attention_kernel
+from pallas_kernels.ragged_paged_attention import DEFAULT_BLOCK_M
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_kernel
 from pallas_kernels.reference import ragged_metadata, ragged_paged_attention_reference
+from pallas_kernels.validation import next_pow2
 
 from jaxkv.config import ATTENTION_BACKENDS as BACKENDS
 
@@ -70,8 +72,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         raise ValueError(f"backend must be 'xla' or 'pallas', got {backend!r}")
     interpret = pallas_interpret()
     if not decode_only:
+        group = q.shape[1] // k_cache.shape[-2]  # a tile holds at least one token's group
         return ragged_kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                             num_seqs, scale=scale, layer=layer, interpret=interpret)
+                             num_seqs, scale=scale, layer=layer, interpret=interpret,
+                             block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
     rows = min(q.shape[0], block_tables.shape[0])
     lens = jnp.where(jnp.arange(rows) < num_seqs[0], seq_lens[:rows], 0)  # padding rows -> 0
     out = decode_attention_kernel(q[:rows], k_cache, v_cache, block_tables[:rows], lens,
