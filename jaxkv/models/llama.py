@@ -148,7 +148,8 @@ class LlamaModel(nn.Module):
         rope = (jnp.cos(emb), jnp.sin(emb))
         carry = (x, kv[0], kv[1])
         attn_md = attention_metadata(input_ids.shape[0], kv[0].shape[2], meta.block_tables,
-                                     meta.seq_lens, meta.query_start_loc, meta.num_seqs)
+                                     meta.seq_lens, meta.query_start_loc, meta.num_seqs,
+                                     backend=self.backend)
         for i, layer in enumerate(self.layers):
             carry, _ = layer(carry, i, rope, meta, attn_md)
         x, k, v = carry

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One command for a lent GPU (an H200 with jax 0.11.2, CUDA 13 plugin; no gguf/fastapi/pydantic,
+# no downloads), run from the repository root:
+#
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine (whole script < 5 minutes)
+#   bash benchmarks/gpu_check.sh --cpu-dry-run   # on a CPU: same stages, tiny shapes, interpret mode
+#
+# Stages, each under its own time guard, each writing result rows as soon as they are measured
+# to $OUT (else benchmarks/results/gpu/): 1 smoke (both kernels lower, run and match the
+# reference), 2 the gpu-marked tests (pytest when installed, else the same checks without it),
+# 3 kernel timings vs the XLA reference (µs, GB/s, device copy GB/s), 4 end-to-end decode
+# throughput of a Llama-3-8B-shaped model with random weights at batch 1, 32 and 128.
+# A failing or timed-out stage is recorded and the next one still runs; the exit status is
+# non-zero if any stage failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+DRY=""
+if [[ "${1:-}" == "--cpu-dry-run" ]]; then
+  DRY="--cpu-dry-run"
+  export JAX_PLATFORMS=cpu
+fi
+RES=${OUT:-$ROOT/benchmarks/results/gpu}
+mkdir -p "$RES"
+export OUT="$RES"
+export JAXKV_COMPILATION_CACHE=0   # a fresh machine: measure real compile times
+LOG="$RES/gpu_check.log"
+STATUS="$RES/stages.tsv"
+: > "$STATUS"
+fail=0
+
+stage() {  # stage NAME SECONDS CMD...: run under a time guard, log, record status and seconds
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%ss\n' "$name" "$([[ $rc == 0 ]] && echo ok || { [[ $rc == 124 || $rc == 137 ]] && echo "timeout($rc)" || echo "failed($rc)"; })" \
+    "$((SECONDS - t0))" | tee -a "$STATUS"
+  [[ $rc == 0 ]] || fail=1
+}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
+  $PY -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__version__, 'devices', jax.devices())"
+} 2>&1 | tee "$RES/device.txt"
+
+if [[ -n "$DRY" ]]; then
+  stage 1_smoke 120 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench smoke $DRY
+  stage 2_gpu_tests 120 $PY -m benchmarks.forbid_imports tests.pallas.native_checks --interpret --limit 1
+  stage 3_kernels 180 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep $DRY
+  stage 4_e2e_decode 180 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode $DRY
+else
+  stage 1_smoke 40 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench smoke
+  if $PY -c "import pytest" 2>/dev/null; then
+    # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the GPU platform explicitly.
+    stage 2_gpu_tests 70 env JAX_PLATFORMS=cuda $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/pallas/test_gpu.py \
+      --junitxml="$RES/2_gpu_tests.xml"
+  else
+    stage 2_gpu_tests 70 $PY -m tests.pallas.native_checks
+  fi
+  stage 3_kernels 70 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep
+  stage 4_e2e_decode 110 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode \
+    --config benchmarks/configs/llama3-8b --batches 1 32 128
+fi
+
+$PY -m benchmarks.result_rows > /dev/null 2>&1 || true
+cat "$STATUS"
+echo "results in $RES (summary.md, *.jsonl, gpu_check.log)"
+exit $fail

@@ -1,0 +1,116 @@
+"""Input validation shared by the Pallas kernels: ValueError naming the argument.
+
+Besides shapes and dtypes it enforces, before anything is traced, the rules of Pallas's Triton
+lowering, because interpret mode (the only mode that runs on a CPU) accepts programs that the
+Triton lowering rejects:
+  * every array a kernel loads, computes or stores has a power-of-two number of elements
+    (the tuning knobs block_m / block_k, the padded query group, head_dim);
+  * every operand of a dot has each dimension >= 16 (tensor-core tile minimum);
+  * operands of a dot share one element type (q, k_cache and v_cache have one dtype).
+The kernels themselves use no TPU-only API (no pltpu, no PrefetchScalarGridSpec), read block
+tables and the layer index by ref indexing, and accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MIN_DOT_DIM = 16
+
+
+def is_pow2(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1 and not n & (n - 1)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def padded_group(group: int) -> int:
+    """Rows a KV head's query group is padded to for the decode kernel's dots: a power of two,
+    at least 16 (3 for SmolLM2 -> 16, 8 -> 16, 32 -> 32)."""
+    return max(MIN_DOT_DIM, next_pow2(group))
+
+
+def check_knob(name: str, value, *, minimum: int = MIN_DOT_DIM) -> None:
+    """A tuning knob that sizes a kernel array: a power of two >= minimum."""
+    if not is_pow2(value) or value < minimum:
+        raise ValueError(f"{name} must be a power of two >= {minimum} (a Triton block shape), "
+                         f"got {value!r}")
+
+
+def check_positive(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_launch(num_warps, num_stages) -> None:
+    if not is_pow2(num_warps) or num_warps > 32:
+        raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps!r}")
+    check_positive("num_stages", num_stages)
+
+
+def check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
+        raise ValueError(f"scale must be a positive Python number (static), got {scale!r}")
+    return float(scale)
+
+
+def check_int_array(name: str, x, ndim: int) -> None:
+    if getattr(x, "ndim", None) != ndim or jnp.dtype(x.dtype) != jnp.int32:
+        raise ValueError(f"{name} must be an int32 array with {ndim} dimension(s), got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} of shape {getattr(x, 'shape', None)}")
+
+
+def check_pool(q, k_cache, v_cache, layer) -> tuple[int, int, int, int]:
+    """q [rows, num_q_heads, head_dim] against the pool ([num_blocks, block_size, num_kv_heads,
+    head_dim], or [num_layers, ...] with `layer`). Returns (num_kv_heads, group, head_dim,
+    block_size)."""
+    if getattr(q, "ndim", None) != 3:
+        raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got shape {getattr(q, 'shape', None)}")
+    if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if getattr(k_cache, "ndim", None) not in (4, 5):
+        raise ValueError("k_cache must be [num_blocks, block_size, num_kv_heads, head_dim] or "
+                         f"[num_layers, num_blocks, ...], got shape {getattr(k_cache, 'shape', None)}")
+    if getattr(v_cache, "shape", None) != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got "
+                         f"{getattr(v_cache, 'shape', None)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache and v_cache must have q's dtype {q.dtype} (a Triton dot takes "
+                         f"one element type), got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.ndim == 5:
+        if layer is None:
+            raise ValueError("layer is required with a stacked [num_layers, ...] k_cache")
+        if isinstance(layer, numbers.Integral) and not 0 <= layer < k_cache.shape[0]:
+            raise ValueError(f"layer must be in [0, {k_cache.shape[0]}), got {layer}")
+        if not isinstance(layer, numbers.Integral) and (
+                getattr(layer, "size", 0) != 1 or not jnp.issubdtype(layer.dtype, jnp.integer)):
+            raise ValueError(f"layer must be a Python int or an int32 scalar, got {layer!r}")
+    elif layer is not None:
+        raise ValueError("layer must be None with a single-layer (4-D) k_cache")
+    *_, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, num_q_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        raise ValueError(f"q's head_dim {q_head_dim} must equal k_cache's {head_dim}")
+    if not is_pow2(head_dim) or head_dim < MIN_DOT_DIM:
+        raise ValueError(f"head_dim must be a power of two >= {MIN_DOT_DIM} (a dot operand "
+                         f"dimension), got {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q's num_q_heads {num_q_heads} must be a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    return num_kv_heads, num_q_heads // num_kv_heads, head_dim, block_size
+
+
+def check_tables(block_tables, seq_lens) -> int:
+    """block_tables int32 [rows, max_blocks], seq_lens int32 [rows]. Returns rows."""
+    check_int_array("block_tables", block_tables, 2)
+    check_int_array("seq_lens", seq_lens, 1)
+    if seq_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"seq_lens must have block_tables' {block_tables.shape[0]} rows, got "
+                         f"{seq_lens.shape[0]}")
+    return block_tables.shape[0]
+
