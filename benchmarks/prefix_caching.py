@@ -21,6 +21,7 @@ workload once (no repeats); about 1.5 minutes on 2 CPU cores, the full mode abou
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import statistics
@@ -72,8 +73,9 @@ def timed_chat(llm, convs, max_tokens=1, cold=True):
 
 
 def main():
-    ap = base_parser(__doc__.split("\n")[0], "the same workload timed once instead of a median of 3")
+    ap = base_parser(__doc__, "the same workload timed once instead of a median of 3")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per figure (default 3, --quick 1)")
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
     args = ap.parse_args()
     reps = args.repeats or (1 if args.quick else 3)
     from jaxkv import LLM

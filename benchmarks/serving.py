@@ -29,6 +29,7 @@ afterwards (reported as "unavailable" when llama-cpp-python is not installed).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.util
 import itertools
@@ -169,9 +170,7 @@ def summarize(recs, conc, duration) -> dict:
         level.update({f"mean_{m}_ms": float(v.mean()) if v.size else None,
                       f"median_{m}_ms": float(np.median(v)) if v.size else None,
                       f"p99_{m}_ms": float(np.percentile(v, 99)) if v.size else None})
-    errors = [r["error"] for r in recs if "error" in r]
-    if errors:
-        level["first_error"] = errors[0]
+    level["first_error"] = next((r["error"] for r in recs if "error" in r), None)
     return level
 
 
@@ -200,7 +199,9 @@ def sweep(url, model, tok, args, levels, extra, label) -> dict:
     if args.dataset == "shared-prefix":
         prefix = make_prompts(tok, rng, 1, args.prefix_len)[0]
     warm = make_prompts(tok, np.random.default_rng(10_000 + args.seed), 1, args.input_len, prefix)
-    asyncio.run(run_level(url, model, warm, args, 1, extra, arrivals))  # untimed warmup
+    w = asyncio.run(run_level(url, model, warm, args, 1, extra, arrivals))  # untimed warmup
+    if not w["completed"]:
+        raise RuntimeError(f"the warmup request to {url} failed: {w['first_error']}")
     out = []
     for conc in levels:
         n = args.num_prompts or min(args.max_prompts, max(args.min_prompts, 2 * conc))
@@ -232,7 +233,7 @@ def start_llama_cpp(args) -> Server:
 
 
 def main():
-    ap = base_parser(__doc__.split("\n")[0],
+    ap = base_parser(__doc__,
                      "concurrency 1,4,16, input 64 / output 32 tokens, 4/8/32 prompts (about 1.5 minutes)")
     ap.add_argument("--base-url", default=None, help="a running OpenAI-compatible server (default: start jaxkv serve)")
     ap.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")
@@ -240,8 +241,7 @@ def main():
     ap.add_argument("--server-args", default="",
                     help='extra flags for the jaxkv serve this script starts, e.g. --server-args="--max-num-seqs 32"')
     ap.add_argument("--max-concurrency", default=None, help="comma list (default 1,4,8,16,32,64; --quick 1,4,16)")
-    ap.add_argument("--num-prompts", type=int, default=None,
-                    help="requests per level (default min(--max-prompts, max(--min-prompts, 2 x concurrency)))")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: see above)")
     ap.add_argument("--min-prompts", type=int, default=None, help="default 8 (--quick 4)")
     ap.add_argument("--max-prompts", type=int, default=128, help="default 128")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson requests/s (default inf)")
@@ -249,10 +249,9 @@ def main():
     ap.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128, --quick 64)")
     ap.add_argument("--output-len", type=int, default=None, help="output tokens (default 128, --quick 32)")
     ap.add_argument("--prefix-len", type=int, default=512, help="shared-prefix dataset: shared tokens")
-    ap.add_argument("--knee-factor", type=float, default=4.0,
-                    help="latency allowed at the knee, x the lowest level's (default 4)")
-    ap.add_argument("--compare-llama-cpp", action="store_true",
-                    help="also sweep llama-cpp-python's server on the same GGUF (if installed)")
+    ap.add_argument("--knee-factor", type=float, default=4.0, help="knee latency limit, x the lowest level's")
+    ap.add_argument("--compare-llama-cpp", action="store_true", help="also sweep llama-cpp-python's server")
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
     args = ap.parse_args()
     q = args.quick
     levels = [int(x) for x in (args.max_concurrency or ("1,4,16" if q else "1,4,8,16,32,64")).split(",")]
@@ -318,8 +317,7 @@ def main():
         axes[2].plot(c, [lv["output_throughput"] for lv in r["levels"]], style, label=name)
     for ax, title in zip(axes, ("TTFT (ms)", "TPOT (ms)", "output tokens/s")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("max concurrency")
-        ax.set_title(title)
+        ax.set(xlabel="max concurrency", title=title, xticks=levels, xticklabels=[str(c) for c in levels])
         if res["knee_concurrency"]:
             ax.axvline(res["knee_concurrency"], color="grey", ls=":", label=f"knee = {res['knee_concurrency']}")
         ax.legend(fontsize=7)

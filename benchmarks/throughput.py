@@ -22,6 +22,7 @@ Targets (benchmarks issue): jaxkv >= 20x HF sequential and >= 4.5x HF batched; s
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -42,7 +43,8 @@ def run_jaxkv(prompts, new_tokens):
 
     llm = LLM()
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], sp, use_tqdm=False)  # warmup
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], warm, use_tqdm=False)  # untimed
     before = llm.stats()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -125,12 +127,13 @@ def run_llama_cpp(prompts, new_tokens, n_seq):
 
 
 def main():
-    ap = base_parser(__doc__.split("\n")[0],
+    ap = base_parser(__doc__,
                      "16 prompts x 32 new tokens, HF sequential on 8 of them (about 1.5 minutes)")
     ap.add_argument("--hf-sequential-prompts", type=int, default=None,
                     help="prompts HF runs one at a time (default 16, --quick 8)")
     ap.add_argument("--with-llama-cpp", action="store_true",
                     help="also time llama-cpp-python (only when it is installed)")
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
     args = ap.parse_args()
     num, new_tokens = (16, 32) if args.quick else (64, 128)
     n_seq = args.hf_sequential_prompts or (8 if args.quick else 16)
