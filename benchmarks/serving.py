@@ -20,8 +20,8 @@ least 10% above the previous level's AND its median TPOT and p99 TTFT stay withi
 --knee-factor (default 4) x the first (lowest) level's; the knee is the last level before the
 first uncomfortable one.
 
-Workloads: full (default) = concurrency 1,4,8,16,32,64, input 128 / output 128 tokens, 8-128
-prompts per level (256 requests): about 7 minutes on 2 quiet CPU cores including server start.
+Workloads: full (default) = concurrency 1,4,8,16,32,64, input 128 / output 64 tokens, 8-128
+prompts per level (256 requests): about 6-7 minutes on 2 CPU cores including server start.
 --quick = concurrency 1,4,16, input 64 / output 32, 4/8/32 prompts: about 1.5 minutes.
 --compare-llama-cpp runs the same sweep against llama-cpp-python's server on the same GGUF
 afterwards (reported as "unavailable" when llama-cpp-python is not installed).
@@ -247,7 +247,7 @@ def main():
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson requests/s (default inf)")
     ap.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
     ap.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128, --quick 64)")
-    ap.add_argument("--output-len", type=int, default=None, help="output tokens (default 128, --quick 32)")
+    ap.add_argument("--output-len", type=int, default=None, help="output tokens (default 64, --quick 32)")
     ap.add_argument("--prefix-len", type=int, default=512, help="shared-prefix dataset: shared tokens")
     ap.add_argument("--knee-factor", type=float, default=4.0, help="knee latency limit, x the lowest level's")
     ap.add_argument("--compare-llama-cpp", action="store_true", help="also sweep llama-cpp-python's server")
@@ -256,7 +256,7 @@ def main():
     q = args.quick
     levels = [int(x) for x in (args.max_concurrency or ("1,4,16" if q else "1,4,8,16,32,64")).split(",")]
     args.input_len = args.input_len or (64 if q else 128)
-    args.output_len = args.output_len or (32 if q else 128)
+    args.output_len = args.output_len or (32 if q else 64)
     args.min_prompts = args.min_prompts or (4 if q else 8)
     tok = load_tokenizer(args.model_path)
     extra = {"ignore_eos": True}

@@ -17,7 +17,8 @@ measured, each as output tokens / wall time of the measured calls, after an unti
 
 The HF model is the same GGUF dequantized to float32 by transformers; torch uses all cores.
 Targets (benchmarks issue): jaxkv >= 20x HF sequential and >= 4.5x HF batched; single stream
->= 35 tokens/s. Full mode takes about 5-6 minutes on 2 CPU cores, --quick about 1.5 minutes.
+>= 35 tokens/s. Full mode takes about 6-7 minutes on 2 quiet CPU cores (HF alone ~4), --quick
+about 1.5 minutes.
 """
 
 from __future__ import annotations
