@@ -218,7 +218,7 @@ def sweep(url, model, tok, args, levels, extra, label) -> dict:
 
 def start_jaxkv(args) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--disable-log-requests",
+    cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--disable-uvicorn-access-log",
            *(["--model", args.model_path] if args.model_path else []), *args.server_args.split()]
     return Server(cmd, port, "/health")
 
