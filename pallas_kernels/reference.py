@@ -6,9 +6,13 @@ LAST positions of its seq_lens[s]-token context, causal among themselves.
 
 How it computes (all in float32, one online softmax (Milakov & Gimelshein 2018; FlashAttention,
 Dao et al. 2022) over two kinds of keys):
-  1. the cached prefix of each sequence (positions before this step's tokens), gathered from the
-     pool per query row in chunks of CHUNK_TOKENS, with a trip count set by the longest prefix
-     (0 for fresh prefills), so memory stays O(num_tokens x chunk);
+  1. the cached prefix of each sequence (positions before this step's tokens), in chunks of
+     CHUNK_TOKENS keys with trip counts set by the prefix lengths (0 for fresh prefills):
+     - a prefill chunk of MIN_SEGMENT_QUERY or more tokens is cut into segments of
+       SEGMENT_ROWS query rows; each segment gathers the prefix once per key chunk and
+       attends with GEMMs (the varlen tiling of FlashAttention-2, Dao 2023), so a long chunk
+       over a long cached prefix costs GEMMs, not a gather per query row;
+     - every other row (decodes) gathers its own prefix, memory O(num_tokens x chunk);
   2. this step's own tokens, read back from the pool at their slots and attended densely with a
      block-diagonal causal mask, in key tiles of at most KEY_TILE rows: one GEMM per tile
      instead of a per-row copy of the context.
@@ -23,6 +27,8 @@ import jax.numpy as jnp
 
 CHUNK_TOKENS = 128
 KEY_TILE = 512
+SEGMENT_ROWS = 32     # query rows of one sequence that share one gather of its prefix
+MIN_SEGMENT_QUERY = 4  # sequences with at least this many query tokens take the segment path
 
 
 def _merge(state, s, v, bias):
@@ -65,24 +71,49 @@ def _combine(a, b):
 class RaggedMetadata(NamedTuple):
     """Per-row facts of one step, shared by every layer (computed once per step)."""
     tables: jax.Array      # int32 [T, max_blocks + chunk_blocks]: the row's block table
-    prefix: jax.Array      # int32 [T]: cached keys visible to the row (0 for padding rows)
+    prefix: jax.Array      # int32 [T]: cached keys the per-row path shows the row (0: none)
     slot_block: jax.Array  # int32 [T]: block holding the row's own K/V
     slot_offset: jax.Array  # int32 [T]
     bias: jax.Array        # float32 [T, T]: 0 where row t may see step token s, else -inf
     valid: jax.Array       # bool [T]
+    seq_id: jax.Array      # int32 [T]: the row's sequence
+    seg_tables: jax.Array  # int32 [max_seqs, max_blocks + chunk_blocks]
+    seg_seq: jax.Array     # int32 [S]: sequence of segment j
+    seg_row: jax.Array     # int32 [S]: its first query row
+    seg_prefix: jax.Array  # int32 [S]: cached keys its rows see
+    num_segments: jax.Array  # int32 []: how many of the S segments are real
 
 
 def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, query_start_loc,
-                    num_seqs, *, chunk_tokens: int = CHUNK_TOKENS) -> RaggedMetadata:
-    """Row metadata of a step; arguments as in ragged_paged_attention_reference."""
+                    num_seqs, *, chunk_tokens: int = CHUNK_TOKENS,
+                    segment_rows: int = SEGMENT_ROWS) -> RaggedMetadata:
+    """Row metadata of a step; arguments as in ragged_paged_attention_reference.
+
+    Sequences with at least MIN_SEGMENT_QUERY query tokens and a cached prefix are cut into
+    segments of segment_rows query rows (the last may be shorter); the prefix attention of a
+    segment gathers its sequence's prefix once and attends with GEMMs (the segment path).
+    Every other row gathers its own prefix (the per-row path: decodes, short chunks).
+    """
     max_seqs, max_blocks = block_tables.shape
     cb = max(1, min(max_blocks, chunk_tokens // block_size))
+    r = max(1, min(segment_rows, num_tokens))
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     valid = rows < query_start_loc[num_seqs[0]]
     seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], rows, side="right"), 0, max_seqs - 1)
     q_len = query_start_loc[seq_id + 1] - query_start_loc[seq_id]
     pos = seq_lens[seq_id] - q_len + (rows - query_start_loc[seq_id])  # absolute position
-    prefix = jnp.where(valid, seq_lens[seq_id] - q_len, 0)
+    # Segment path: which sequences, and where their segments start.
+    seq_q = query_start_loc[1:] - query_start_loc[:-1]
+    seq_prefix = seq_lens - seq_q
+    segmented = ((jnp.arange(max_seqs) < num_seqs[0]) & (seq_q >= MIN_SEGMENT_QUERY)
+                 & (seq_prefix > 0))
+    nseg = jnp.where(segmented, (seq_q + r - 1) // r, 0)
+    ends = jnp.cumsum(nseg)
+    num_seg_max = num_tokens // r + min(max_seqs, num_tokens // MIN_SEGMENT_QUERY) + 1
+    j = jnp.arange(num_seg_max, dtype=jnp.int32)
+    seg_seq = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+    seg_row = query_start_loc[seg_seq] + (j - (ends - nseg)[seg_seq]) * r
+    prefix = jnp.where(valid & ~segmented[seq_id], seq_lens[seq_id] - q_len, 0)
     tables = jnp.pad(block_tables[seq_id], ((0, 0), (0, cb)))
     slot_block = jnp.take_along_axis(tables, (pos // block_size)[:, None], axis=1)[:, 0]
     see = (valid[:, None] & valid[None, :] & (seq_id[:, None] == seq_id[None, :])
@@ -94,12 +125,11 @@ def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, qu
     # with a data-dependent trip count (1 if any row is real, else 0: everything masked) is a
     # boundary XLA does not fuse through.
     any_real = (query_start_loc[num_seqs[0]] > 0).astype(jnp.int32)
-    arrays = (tables, prefix, slot_block, pos % block_size, bias, valid)
-    empty = (jnp.zeros_like(tables), jnp.zeros_like(prefix), jnp.zeros_like(slot_block),
-             jnp.zeros_like(slot_block), jnp.full_like(bias, -jnp.inf), jnp.zeros_like(valid))
-    tables, prefix, slot_block, slot_offset, bias, valid = jax.lax.fori_loop(
-        0, any_real, lambda i, _: arrays, empty)
-    return RaggedMetadata(tables, prefix, slot_block, slot_offset, bias, valid)
+    arrays = (tables, prefix, slot_block, pos % block_size, bias, valid, seq_id.astype(jnp.int32),
+              jnp.pad(block_tables, ((0, 0), (0, cb))), seg_seq, seg_row.astype(jnp.int32),
+              seq_prefix[seg_seq].astype(jnp.int32), ends[-1].astype(jnp.int32))
+    empty = tuple(jnp.full_like(a, -jnp.inf) if a is bias else jnp.zeros_like(a) for a in arrays)
+    return RaggedMetadata(*jax.lax.fori_loop(0, any_real, lambda i, _: arrays, empty))
 
 
 def _prefix_attention(qf, k_cache, v_cache, layer, tables, prefix, cb, block_size):
@@ -122,10 +152,48 @@ def _prefix_attention(qf, k_cache, v_cache, layer, tables, prefix, cb, block_siz
     return jax.lax.fori_loop(0, (jnp.max(prefix) + ct - 1) // ct, chunk, init)
 
 
+def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, seg_rows):
+    """The segment path: for each real segment, gather its sequence's prefix once per chunk of
+    cb blocks and attend its rows with GEMMs; the result replaces those rows of state (whose
+    per-row prefix was 0). Trip counts: the real segments, then each one's prefix chunks."""
+    num_tokens, nk, g, d = qf.shape
+    ct = cb * block_size
+    r = max(1, min(seg_rows, num_tokens))
+
+    def segment(j, st):
+        s, start, p = md.seg_seq[j], md.seg_row[j], md.seg_prefix[j]
+        lo = jnp.minimum(start, num_tokens - r)  # the last segment may end at the last row
+        rows = lo + jnp.arange(r, dtype=jnp.int32)
+        mine = (md.seq_id[rows] == s) & md.valid[rows] & (rows >= start)
+        q = jax.lax.dynamic_slice_in_dim(qf, lo, r)
+        table = md.seg_tables[s]
+
+        def chunk(c, acc):
+            blk = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
+            k = k_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
+            v = v_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
+            kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
+            bias = jnp.where(mine[:, None] & (kpos < p)[None, :], 0.0, -jnp.inf)
+            return _combine(acc, _dense_tile(q, k, v, bias))
+
+        init = (jnp.full((r, nk, g), -jnp.inf, jnp.float32), jnp.zeros((r, nk, g), jnp.float32),
+                jnp.zeros((r, nk, g, d), jnp.float32))
+        part = jax.lax.fori_loop(0, (p + ct - 1) // ct, chunk, init)
+        out = []
+        for x, y in zip(st, part):
+            old = jax.lax.dynamic_slice_in_dim(x, lo, r)
+            keep = mine.reshape((r,) + (1,) * (x.ndim - 1))
+            out.append(jax.lax.dynamic_update_slice_in_dim(x, jnp.where(keep, y, old), lo, 0))
+        return tuple(out)
+
+    return jax.lax.fori_loop(0, md.num_segments, segment, state)
+
+
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      num_seqs, *, scale: float, layer=None,
                                      metadata: RaggedMetadata | None = None,
-                                     chunk_tokens: int = CHUNK_TOKENS, key_tile: int = KEY_TILE):
+                                     chunk_tokens: int = CHUNK_TOKENS, key_tile: int = KEY_TILE,
+                                     segment_rows: int = SEGMENT_ROWS):
     """Ragged paged attention over a block-paged KV pool.
 
     Args:
@@ -141,7 +209,9 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
       num_seqs: int32 [1]: how many rows of the per-sequence arrays are real.
       scale: softmax scale (usually head_dim ** -0.5).
       metadata: ragged_metadata(...) of these arguments, when the caller shares it between
-        layers (it is computed here otherwise).
+        layers (it is computed here otherwise), made with the same chunk_tokens and
+        segment_rows.
+      chunk_tokens, key_tile, segment_rows: tiling knobs (results agree to rounding).
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
@@ -153,13 +223,14 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     group = num_heads // num_kv_heads
     md = metadata if metadata is not None else ragged_metadata(
         num_tokens, block_size, block_tables, seq_lens, query_start_loc, num_seqs,
-        chunk_tokens=chunk_tokens)
+        chunk_tokens=chunk_tokens, segment_rows=segment_rows)
     cb = md.tables.shape[1] - block_tables.shape[1]  # blocks per prefix chunk
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
 
-    # 1. Cached prefix, per row, chunk by chunk, in two row groups with their own trip counts:
-    # the scheduler puts running requests (decodes) first, so in a step that mixes decodes with
-    # fresh prefill chunks the second group has no prefix and its loop runs zero times.
+    # 1. Cached prefix. Per row (decodes, short chunks), chunk by chunk, in two row groups with
+    # their own trip counts: the scheduler puts running requests (decodes) first, so in a step
+    # that mixes decodes with prefill chunks the second group usually has no per-row prefix and
+    # its loop runs zero times. Then per segment of the longer chunks (see ragged_metadata).
     split = num_tokens // 8 if num_tokens >= 128 else num_tokens
     parts = []
     for lo, hi in ((0, split), (split, num_tokens)):
@@ -167,6 +238,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
             parts.append(_prefix_attention(qf[lo:hi], k_cache, v_cache, layer, md.tables[lo:hi],
                                            md.prefix[lo:hi], cb, block_size))
     state = tuple(jnp.concatenate(xs) for xs in zip(*parts)) if len(parts) > 1 else parts[0]
+    state = _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size,
+                               segment_rows)
 
     # 2. This step's own tokens, dense with a block-diagonal causal mask.
     k_new = k_cache[layer, md.slot_block, md.slot_offset].astype(jnp.float32)  # [T, K, D]

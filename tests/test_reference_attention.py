@@ -47,6 +47,7 @@ def make_case(rng, ctx_lens, q_lens, *, block_size, num_kv_heads, group, head_di
 CASES = [  # (context lengths, query lengths): decode-only, prefill-only, mixed, edges
     ([1], [1]), ([15, 16, 17], [1, 1, 1]), ([40], [40]), ([33, 70], [33, 20]),
     ([5, 300, 17, 64], [1, 128, 17, 3]), ([129, 1, 16], [1, 1, 16]),
+    ([2, 100, 61], [1, 4, 29]),  # the shortest segmented chunk; a last segment past the end
 ]
 
 
@@ -58,7 +59,8 @@ def test_matches_dense_attention(ctx, qlen, block_size, group, head_dim):
     args, ref, n = make_case(rng, ctx, qlen, block_size=block_size, num_kv_heads=2, group=group,
                              head_dim=head_dim, num_tokens=num_tokens, max_seqs=6, layers=2)
     f = jax.jit(lambda *a: ragged_paged_attention_reference(*a, scale=head_dim ** -0.5, layer=1,
-                                                            chunk_tokens=32, key_tile=64))
+                                                            chunk_tokens=32, key_tile=64,
+                                                            segment_rows=8))
     out = np.asarray(f(*args))
     err = np.max(np.abs(out[:n] - ref)) / np.max(np.abs(ref))
     assert err < 1e-5, err
