@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 CHUNK_TOKENS = 128
-KEY_TILE = 512
+KEY_TILE = 128
 SEGMENT_ROWS = 32     # query rows of one sequence that share one gather of its prefix
 MIN_SEGMENT_QUERY = 4  # sequences with at least this many query tokens take the segment path
 
@@ -189,6 +189,27 @@ def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, s
     return jax.lax.fori_loop(0, md.num_segments, segment, state)
 
 
+def _step_attention(qf, k_new, v_new, md, state, key_tile):
+    """This step's own keys k_new/v_new [T, K, D], dense, in key tiles of key_tile rows; the
+    trip count covers only the real rows (a 100-token step padded to 512 visits one tile of
+    128). A last tile that would run past the end is shifted back and its repeated keys
+    masked."""
+    num_tokens = qf.shape[0]
+    kt = min(key_tile, num_tokens)
+    cols = jnp.arange(kt, dtype=jnp.int32)
+
+    def tile(i, st):
+        start = i * kt
+        lo = jnp.minimum(start, num_tokens - kt)
+        k = jax.lax.dynamic_slice_in_dim(k_new, lo, kt)
+        v = jax.lax.dynamic_slice_in_dim(v_new, lo, kt)
+        bias = jax.lax.dynamic_slice_in_dim(md.bias, lo, kt, axis=1)
+        bias = jnp.where((lo + cols >= start)[None, :], bias, -jnp.inf)
+        return _combine(st, _dense_tile(qf, k, v, bias))
+
+    return jax.lax.fori_loop(0, (jnp.sum(md.valid.astype(jnp.int32)) + kt - 1) // kt, tile, state)
+
+
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      num_seqs, *, scale: float, layer=None,
                                      metadata: RaggedMetadata | None = None,
@@ -244,9 +265,7 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     # 2. This step's own tokens, dense with a block-diagonal causal mask.
     k_new = k_cache[layer, md.slot_block, md.slot_offset].astype(jnp.float32)  # [T, K, D]
     v_new = v_cache[layer, md.slot_block, md.slot_offset].astype(jnp.float32)
-    for start in range(0, num_tokens, key_tile):
-        sl = slice(start, min(start + key_tile, num_tokens))
-        state = _combine(state, _dense_tile(qf, k_new[sl], v_new[sl], md.bias[:, sl]))
+    state = _step_attention(qf, k_new, v_new, md, state, key_tile)
 
     _, l, acc = state
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
