@@ -4,18 +4,18 @@ Semantics follow vLLM's ragged (varlen) paged attention as used by its V1 attent
 the query tokens of sequence s are rows query_start_loc[s] .. query_start_loc[s+1] and are the
 LAST positions of its seq_lens[s]-token context, causal among themselves.
 
-How it computes (all in float32, one online softmax (Milakov & Gimelshein 2018; FlashAttention,
-Dao et al. 2022) over two kinds of keys):
-  1. the cached prefix of each sequence (positions before this step's tokens), in chunks of
-     CHUNK_TOKENS keys with trip counts set by the prefix lengths (0 for fresh prefills):
-     - a prefill chunk of MIN_SEGMENT_QUERY or more tokens is cut into segments of
-       SEGMENT_ROWS query rows; each segment gathers the prefix once per key chunk and
-       attends with GEMMs (the varlen tiling of FlashAttention-2, Dao 2023), so a long chunk
-       over a long cached prefix costs GEMMs, not a gather per query row;
-     - every other row (decodes) gathers its own prefix, memory O(num_tokens x chunk);
-  2. this step's own tokens, read back from the pool at their slots and attended densely with a
-     block-diagonal causal mask, in key tiles of at most KEY_TILE rows: one GEMM per tile
-     instead of a per-row copy of the context.
+How it computes: every key is read back from the pool (write_kv has stored this step's K/V),
+in chunks of CHUNK_TOKENS keys, all in float32 with one online softmax (Milakov & Gimelshein
+2018; FlashAttention, Dao et al. 2022). Rows take one of two paths:
+  - segment path: a sequence with more than one query token (a prefill chunk) is cut into
+    segments of SEGMENT_ROWS query rows, as FlashAttention-2's varlen tiling (Dao
+    2023) does; a segment gathers its sequence's keys once per chunk, up to its last row's
+    position (causal chunks past that are never visited), and attends with GEMMs, so a long
+    chunk over a long cached prefix costs GEMMs, not a copy of the context per query row;
+  - per-row path: a decode row (one query token) gathers its own context, with a trip count
+    set by the longest such context. In a step of more than max_num_seqs rows the decode rows
+    (at most one per sequence) are packed into max_num_seqs slots wherever they sit, so a
+    step that mixes decodes with a 512-token chunk gathers for max_num_seqs rows, not 512.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import jax
 import jax.numpy as jnp
 
 CHUNK_TOKENS = 128
-KEY_TILE = 128
-SEGMENT_ROWS = 32     # query rows of one sequence that share one gather of its prefix
-MIN_SEGMENT_QUERY = 4  # sequences with at least this many query tokens take the segment path
+SEGMENT_ROWS = 32  # query rows of one sequence that share one gather of its keys
 
 
 def _merge(state, s, v, bias):
@@ -70,30 +68,25 @@ def _combine(a, b):
 
 class RaggedMetadata(NamedTuple):
     """Per-row facts of one step, shared by every layer (computed once per step)."""
-    tables: jax.Array      # int32 [T, max_blocks + chunk_blocks]: the row's block table
-    prefix: jax.Array      # int32 [T]: cached keys the per-row path shows the row (0: none)
-    slot_block: jax.Array  # int32 [T]: block holding the row's own K/V
-    slot_offset: jax.Array  # int32 [T]
-    bias: jax.Array        # float32 [T, T]: 0 where row t may see step token s, else -inf
+    row_idx: jax.Array     # int32 [P]: rows of the per-row loop: all T (P = T <= max_seqs) or
+    #                        the decode rows packed (P = max_seqs; T marks an unused slot)
+    tables: jax.Array      # int32 [P, max_blocks + chunk_blocks]: their block tables
+    ctx: jax.Array         # int32 [P]: keys each sees: its position + 1 for a decode row,
+    #                        0 for segmented, padding and unused slots
+    pos: jax.Array         # int32 [T]: the row's absolute position
     valid: jax.Array       # bool [T]
     seq_id: jax.Array      # int32 [T]: the row's sequence
     seg_tables: jax.Array  # int32 [max_seqs, max_blocks + chunk_blocks]
     seg_seq: jax.Array     # int32 [S]: sequence of segment j
     seg_row: jax.Array     # int32 [S]: its first query row
-    seg_prefix: jax.Array  # int32 [S]: cached keys its rows see
+    seg_ctx: jax.Array     # int32 [S]: keys its last row sees (the inner trip count's bound)
     num_segments: jax.Array  # int32 []: how many of the S segments are real
 
 
 def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, query_start_loc,
                     num_seqs, *, chunk_tokens: int = CHUNK_TOKENS,
                     segment_rows: int = SEGMENT_ROWS) -> RaggedMetadata:
-    """Row metadata of a step; arguments as in ragged_paged_attention_reference.
-
-    Sequences with at least MIN_SEGMENT_QUERY query tokens and a cached prefix are cut into
-    segments of segment_rows query rows (the last may be shorter); the prefix attention of a
-    segment gathers its sequence's prefix once and attends with GEMMs (the segment path).
-    Every other row gathers its own prefix (the per-row path: decodes, short chunks).
-    """
+    """Row metadata of a step; arguments as in ragged_paged_attention_reference."""
     max_seqs, max_blocks = block_tables.shape
     cb = max(1, min(max_blocks, chunk_tokens // block_size))
     r = max(1, min(segment_rows, num_tokens))
@@ -102,39 +95,45 @@ def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, qu
     seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], rows, side="right"), 0, max_seqs - 1)
     q_len = query_start_loc[seq_id + 1] - query_start_loc[seq_id]
     pos = seq_lens[seq_id] - q_len + (rows - query_start_loc[seq_id])  # absolute position
-    # Segment path: which sequences, and where their segments start.
+    # Segments: ceil(q / r) per segmented sequence, numbered in sequence order.
     seq_q = query_start_loc[1:] - query_start_loc[:-1]
-    seq_prefix = seq_lens - seq_q
-    segmented = ((jnp.arange(max_seqs) < num_seqs[0]) & (seq_q >= MIN_SEGMENT_QUERY)
-                 & (seq_prefix > 0))
+    segmented = (jnp.arange(max_seqs) < num_seqs[0]) & (seq_q >= 2)
     nseg = jnp.where(segmented, (seq_q + r - 1) // r, 0)
     ends = jnp.cumsum(nseg)
-    num_seg_max = num_tokens // r + min(max_seqs, num_tokens // MIN_SEGMENT_QUERY) + 1
+    num_seg_max = num_tokens // r + min(max_seqs, num_tokens // 2) + 1
     j = jnp.arange(num_seg_max, dtype=jnp.int32)
     seg_seq = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, max_seqs - 1).astype(jnp.int32)
-    seg_row = query_start_loc[seg_seq] + (j - (ends - nseg)[seg_seq]) * r
-    prefix = jnp.where(valid & ~segmented[seq_id], seq_lens[seq_id] - q_len, 0)
-    tables = jnp.pad(block_tables[seq_id], ((0, 0), (0, cb)))
-    slot_block = jnp.take_along_axis(tables, (pos // block_size)[:, None], axis=1)[:, 0]
-    see = (valid[:, None] & valid[None, :] & (seq_id[:, None] == seq_id[None, :])
-           & (pos[None, :] <= pos[:, None]))
-    bias = jnp.where(see, 0.0, -jnp.inf).astype(jnp.float32)
-    # Materialise the arrays: left to fusion, XLA:CPU recomputes the whole mask (searchsorted,
-    # gathers, compares) for every element of every [K, T, G, S] loop that uses it, which made
-    # attention 3-4x slower (an optimization_barrier is expanded before fusion on CPU). A loop
+    first = j - (ends - nseg)[seg_seq]  # the segment's index within its sequence
+    seg_row = query_start_loc[seg_seq] + first * r
+    seg_ctx = jnp.minimum(seq_lens[seg_seq], seq_lens[seg_seq] - seq_q[seg_seq] + (first + 1) * r)
+    decode = valid & ~segmented[seq_id]
+    if num_tokens <= max_seqs:
+        row_idx = rows
+    else:  # at most one decode row per sequence
+        row_idx = jnp.nonzero(decode, size=max_seqs, fill_value=num_tokens)[0].astype(jnp.int32)
+    at = jnp.minimum(row_idx, num_tokens - 1)
+    ctx = jnp.where((row_idx < num_tokens) & decode[at], pos[at] + 1, 0)
+    # Materialise the arrays: left to fusion, XLA:CPU recomputes them (searchsorted, gathers,
+    # compares) for every element of every loop that uses them, which made attention 3-4x
+    # slower (an optimization_barrier is expanded before fusion on CPU). A loop
     # with a data-dependent trip count (1 if any row is real, else 0: everything masked) is a
     # boundary XLA does not fuse through.
     any_real = (query_start_loc[num_seqs[0]] > 0).astype(jnp.int32)
-    arrays = (tables, prefix, slot_block, pos % block_size, bias, valid, seq_id.astype(jnp.int32),
-              jnp.pad(block_tables, ((0, 0), (0, cb))), seg_seq, seg_row.astype(jnp.int32),
-              seq_prefix[seg_seq].astype(jnp.int32), ends[-1].astype(jnp.int32))
-    empty = tuple(jnp.full_like(a, -jnp.inf) if a is bias else jnp.zeros_like(a) for a in arrays)
+    arrays = (row_idx, jnp.pad(block_tables[seq_id[at]], ((0, 0), (0, cb))), ctx, pos, valid,
+              seq_id.astype(jnp.int32), jnp.pad(block_tables, ((0, 0), (0, cb))), seg_seq,
+              seg_row.astype(jnp.int32), seg_ctx.astype(jnp.int32), ends[-1].astype(jnp.int32))
+    empty = tuple(jnp.zeros_like(a) for a in arrays)
     return RaggedMetadata(*jax.lax.fori_loop(0, any_real, lambda i, _: arrays, empty))
 
 
-def _prefix_attention(qf, k_cache, v_cache, layer, tables, prefix, cb, block_size):
-    """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their cached prefixes, gathered
-    per row from the pool in chunks of cb blocks; the trip count follows the longest prefix."""
+def _empty_state(rows, nk, g, d):
+    return (jnp.full((rows, nk, g), -jnp.inf, jnp.float32), jnp.zeros((rows, nk, g), jnp.float32),
+            jnp.zeros((rows, nk, g, d), jnp.float32))
+
+
+def _row_attention(qf, k_cache, v_cache, layer, tables, ctx, cb, block_size):
+    """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys, gathered
+    per row from the pool in chunks of cb blocks; the trip count follows the longest ctx."""
     rows, nk, g, d = qf.shape
     ct = cb * block_size
 
@@ -144,27 +143,26 @@ def _prefix_attention(qf, k_cache, v_cache, layer, tables, prefix, cb, block_siz
         v = v_cache[layer, blk].reshape(rows, ct, nk, d).astype(jnp.float32)
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
         kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
-        bias = jnp.where(kpos[None, :] < prefix[:, None], 0.0, -jnp.inf)[:, None, None, :]
+        bias = jnp.where(kpos[None, :] < ctx[:, None], 0.0, -jnp.inf)[:, None, None, :]
         return _merge(st, s, v, bias)
 
-    init = (jnp.full((rows, nk, g), -jnp.inf, jnp.float32), jnp.zeros((rows, nk, g), jnp.float32),
-            jnp.zeros((rows, nk, g, d), jnp.float32))
-    return jax.lax.fori_loop(0, (jnp.max(prefix) + ct - 1) // ct, chunk, init)
+    return jax.lax.fori_loop(0, (jnp.max(ctx) + ct - 1) // ct, chunk, _empty_state(rows, nk, g, d))
 
 
 def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, seg_rows):
-    """The segment path: for each real segment, gather its sequence's prefix once per chunk of
-    cb blocks and attend its rows with GEMMs; the result replaces those rows of state (whose
-    per-row prefix was 0). Trip counts: the real segments, then each one's prefix chunks."""
+    """The segment path: for each real segment, gather its sequence's keys once per chunk of
+    cb blocks, up to its last row, and attend its rows causally with GEMMs; the result
+    replaces those rows of state. Trip counts: the real segments, then each one's chunks."""
     num_tokens, nk, g, d = qf.shape
     ct = cb * block_size
     r = max(1, min(seg_rows, num_tokens))
 
     def segment(j, st):
-        s, start, p = md.seg_seq[j], md.seg_row[j], md.seg_prefix[j]
+        s, start = md.seg_seq[j], md.seg_row[j]
         lo = jnp.minimum(start, num_tokens - r)  # the last segment may end at the last row
         rows = lo + jnp.arange(r, dtype=jnp.int32)
         mine = (md.seq_id[rows] == s) & md.valid[rows] & (rows >= start)
+        last = jnp.where(mine, md.pos[rows], -1)  # the causal limit of each row
         q = jax.lax.dynamic_slice_in_dim(qf, lo, r)
         table = md.seg_tables[s]
 
@@ -173,12 +171,11 @@ def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, s
             k = k_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
             v = v_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
             kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
-            bias = jnp.where(mine[:, None] & (kpos < p)[None, :], 0.0, -jnp.inf)
+            bias = jnp.where(kpos[None, :] <= last[:, None], 0.0, -jnp.inf)
             return _combine(acc, _dense_tile(q, k, v, bias))
 
-        init = (jnp.full((r, nk, g), -jnp.inf, jnp.float32), jnp.zeros((r, nk, g), jnp.float32),
-                jnp.zeros((r, nk, g, d), jnp.float32))
-        part = jax.lax.fori_loop(0, (p + ct - 1) // ct, chunk, init)
+        trips = (md.seg_ctx[j] + ct - 1) // ct
+        part = jax.lax.fori_loop(0, trips, chunk, _empty_state(r, nk, g, d))
         out = []
         for x, y in zip(st, part):
             old = jax.lax.dynamic_slice_in_dim(x, lo, r)
@@ -189,31 +186,10 @@ def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, s
     return jax.lax.fori_loop(0, md.num_segments, segment, state)
 
 
-def _step_attention(qf, k_new, v_new, md, state, key_tile):
-    """This step's own keys k_new/v_new [T, K, D], dense, in key tiles of key_tile rows; the
-    trip count covers only the real rows (a 100-token step padded to 512 visits one tile of
-    128). A last tile that would run past the end is shifted back and its repeated keys
-    masked."""
-    num_tokens = qf.shape[0]
-    kt = min(key_tile, num_tokens)
-    cols = jnp.arange(kt, dtype=jnp.int32)
-
-    def tile(i, st):
-        start = i * kt
-        lo = jnp.minimum(start, num_tokens - kt)
-        k = jax.lax.dynamic_slice_in_dim(k_new, lo, kt)
-        v = jax.lax.dynamic_slice_in_dim(v_new, lo, kt)
-        bias = jax.lax.dynamic_slice_in_dim(md.bias, lo, kt, axis=1)
-        bias = jnp.where((lo + cols >= start)[None, :], bias, -jnp.inf)
-        return _combine(st, _dense_tile(qf, k, v, bias))
-
-    return jax.lax.fori_loop(0, (jnp.sum(md.valid.astype(jnp.int32)) + kt - 1) // kt, tile, state)
-
-
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      num_seqs, *, scale: float, layer=None,
                                      metadata: RaggedMetadata | None = None,
-                                     chunk_tokens: int = CHUNK_TOKENS, key_tile: int = KEY_TILE,
+                                     chunk_tokens: int = CHUNK_TOKENS,
                                      segment_rows: int = SEGMENT_ROWS):
     """Ragged paged attention over a block-paged KV pool.
 
@@ -232,7 +208,7 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
       metadata: ragged_metadata(...) of these arguments, when the caller shares it between
         layers (it is computed here otherwise), made with the same chunk_tokens and
         segment_rows.
-      chunk_tokens, key_tile, segment_rows: tiling knobs (results agree to rounding).
+      chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
@@ -245,28 +221,18 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     md = metadata if metadata is not None else ragged_metadata(
         num_tokens, block_size, block_tables, seq_lens, query_start_loc, num_seqs,
         chunk_tokens=chunk_tokens, segment_rows=segment_rows)
-    cb = md.tables.shape[1] - block_tables.shape[1]  # blocks per prefix chunk
+    cb = md.tables.shape[1] - block_tables.shape[1]  # blocks per key chunk
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
 
-    # 1. Cached prefix. Per row (decodes, short chunks), chunk by chunk, in two row groups with
-    # their own trip counts: the scheduler puts running requests (decodes) first, so in a step
-    # that mixes decodes with prefill chunks the second group usually has no per-row prefix and
-    # its loop runs zero times. Then per segment of the longer chunks (see ragged_metadata).
-    split = num_tokens // 8 if num_tokens >= 128 else num_tokens
-    parts = []
-    for lo, hi in ((0, split), (split, num_tokens)):
-        if hi > lo:
-            parts.append(_prefix_attention(qf[lo:hi], k_cache, v_cache, layer, md.tables[lo:hi],
-                                           md.prefix[lo:hi], cb, block_size))
-    state = tuple(jnp.concatenate(xs) for xs in zip(*parts)) if len(parts) > 1 else parts[0]
+    packed = md.row_idx.shape[0] < num_tokens
+    qr = qf[jnp.minimum(md.row_idx, num_tokens - 1)] if packed else qf
+    state = _row_attention(qr, k_cache, v_cache, layer, md.tables, md.ctx, cb, block_size)
+    if packed:  # back to their rows; unused slots (index T) are dropped
+        state = tuple(e.at[md.row_idx].set(x, mode="drop")
+                      for e, x in zip(_empty_state(num_tokens, num_kv_heads, group, head_dim),
+                                      state))
     state = _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size,
                                segment_rows)
-
-    # 2. This step's own tokens, dense with a block-diagonal causal mask.
-    k_new = k_cache[layer, md.slot_block, md.slot_offset].astype(jnp.float32)  # [T, K, D]
-    v_new = v_cache[layer, md.slot_block, md.slot_offset].astype(jnp.float32)
-    state = _step_attention(qf, k_new, v_new, md, state, key_tile)
-
     _, l, acc = state
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -47,7 +47,8 @@ def make_case(rng, ctx_lens, q_lens, *, block_size, num_kv_heads, group, head_di
 CASES = [  # (context lengths, query lengths): decode-only, prefill-only, mixed, edges
     ([1], [1]), ([15, 16, 17], [1, 1, 1]), ([40], [40]), ([33, 70], [33, 20]),
     ([5, 300, 17, 64], [1, 128, 17, 3]), ([129, 1, 16], [1, 1, 16]),
-    ([2, 100, 61], [1, 4, 29]),  # the shortest segmented chunk; a last segment past the end
+    ([2, 100, 61, 9], [1, 4, 29, 2]),  # 2- and 4-token chunks; a last segment past the end
+    ([40, 7, 90, 33], [20, 1, 5, 1]),  # decodes after chunks (packed per-row rows)
 ]
 
 
@@ -59,7 +60,7 @@ def test_matches_dense_attention(ctx, qlen, block_size, group, head_dim):
     args, ref, n = make_case(rng, ctx, qlen, block_size=block_size, num_kv_heads=2, group=group,
                              head_dim=head_dim, num_tokens=num_tokens, max_seqs=6, layers=2)
     f = jax.jit(lambda *a: ragged_paged_attention_reference(*a, scale=head_dim ** -0.5, layer=1,
-                                                            chunk_tokens=32, key_tile=64,
+                                                            chunk_tokens=32,
                                                             segment_rows=8))
     out = np.asarray(f(*args))
     err = np.max(np.abs(out[:n] - ref)) / np.max(np.abs(ref))

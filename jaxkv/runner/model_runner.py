@@ -53,9 +53,12 @@ class ModelRunner:
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         self._step_jit = jit(self._forward, donate_argnums=(1,))
         self._step_exe: dict[int, object] = {}  # token bucket -> compiled step (AOT)
+        # The sampled rows are gathered by a small program of their own, so the sampler's
+        # programs depend on the row count only (token buckets 64 and 512 share them).
+        self._gather_rows = jit(lambda hidden, idx: hidden[idx])
         self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"))
         self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",))
-        self._jitted = [] if enforce_eager else [self._sample, self._prompt_lp]
+        self._jitted = [] if enforce_eager else [self._gather_rows, self._sample, self._prompt_lp]
 
     # ---- jitted bodies ------------------------------------------------------------------
     def _forward(self, params, kv_cache, input_ids, attn):
@@ -64,8 +67,8 @@ class ModelRunner:
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
 
-    def _sample_rows(self, params, hidden, logits_indices, s, pen, *, mode, num_logprobs):
-        logits = self._logits(params, hidden[logits_indices])
+    def _sample_rows(self, params, hidden_rows, s, pen, *, mode, num_logprobs):
+        logits = self._logits(params, hidden_rows)
         return smp.sample(logits, s, pen, mode=mode, num_logprobs=num_logprobs)
 
     def _prompt_logprobs(self, params, hidden, targets, *, num_logprobs):
@@ -111,7 +114,8 @@ class ModelRunner:
         want_lp = any(p.logprobs is not None for p in sp)
         s_arr = self._sampling_arrays(out, r)
         pen = self._penalty_arrays(out, r) if any(_needs_penalties(s) for _, s in rows) else None
-        o = self._sample(self.params, hidden, logits_indices, s_arr, pen, mode=mode,
+        h = self._gather_rows(hidden, logits_indices)
+        o = self._sample(self.params, h, s_arr, pen, mode=mode,
                          num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
         o = jax.device_get(o)
         for i, s in rows:
@@ -169,7 +173,7 @@ class ModelRunner:
     # ---- warmup -------------------------------------------------------------------------
     def warmup(self) -> tuple[float, int]:
         """Compile every token bucket of the step and the greedy/random/filtered sampler for
-        every row count. Returns (seconds, programs compiled)."""
+        every row count (min(bucket, max_num_seqs)). Returns (seconds, programs compiled)."""
         t0, n0 = time.perf_counter(), self.num_compilations
         empty = SchedulerOutput([])
         inputs = {t: build_step_input(empty, block_size=self.block_size, num_tokens=t,
@@ -180,9 +184,10 @@ class ModelRunner:
             r = num_rows(t, self.max_num_seqs)
             hidden, self.kv_cache = self._step(self.params, self.kv_cache, si.input_ids, si.attn_arrays)
             s_arr = self._sampling_arrays(empty, r)
+            rows = self._gather_rows(hidden, si.logits_indices)
             for mode in smp.MODES:
-                jax.block_until_ready(self._sample(self.params, hidden, si.logits_indices, s_arr, None,
-                                                   mode=mode, num_logprobs=0))
+                jax.block_until_ready(self._sample(self.params, rows, s_arr, None, mode=mode,
+                                                   num_logprobs=0))
         return time.perf_counter() - t0, self.num_compilations - n0
 
 
