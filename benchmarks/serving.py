@@ -278,12 +278,17 @@ def main():
             other = "unavailable"
             print("llama-cpp-python is not installed: comparison unavailable")
         else:
-            srv = start_llama_cpp(args)
+            srv = None
             try:  # llama.cpp knows no ignore_eos: a strong negative bias on EOS does the same
+                srv = start_llama_cpp(args)
                 other = sweep(srv.url, None, tok, args, levels,
                               {"logit_bias": {str(tok.eos_token_id): -100}}, "llama-cpp")
+            except Exception as e:  # keep jaxkv's sweep: report the comparison as failed
+                other = f"failed: {type(e).__name__}: {e}"
+                print(f"llama-cpp-python comparison {other}")
             finally:
-                srv.stop()
+                if srv is not None:
+                    srv.stop()
 
     cols = ["max_concurrency", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
             *(f"{s}_{m}_ms" for m in METRICS for s in ("median", "p99"))]

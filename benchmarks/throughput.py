@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -109,11 +112,23 @@ def run_hf(prompts, new_tokens, n_seq):
 
 
 def run_llama_cpp(prompts, new_tokens, n_seq):
-    """llama-cpp-python on the same GGUF, one request at a time; None when not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    """llama-cpp-python on the same GGUF, one request at a time, in a fresh process (loaded
+    into a process that already holds torch, its build here died with SIGILL); None when it
+    is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            return pool.submit(_llama_cpp_worker, prompts, new_tokens, n_seq).result()
+    except Exception as e:  # a crashed worker (BrokenProcessPool) must not lose jaxkv's numbers
+        print(f"llama-cpp-python failed: {type(e).__name__}: {e}")
+        return None
+
+
+def _llama_cpp_worker(prompts, new_tokens, n_seq):
+    from llama_cpp import Llama
+
     from jaxkv.loader.gguf import embedded_model_path
 
     llm = Llama(model_path=embedded_model_path(), n_ctx=512, n_batch=512, n_threads=os.cpu_count(),
