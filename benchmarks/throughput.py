@@ -165,7 +165,7 @@ def main():
     hf_seq, hf_bat = run_hf(prompts, new_tokens, n_seq)
     llama = run_llama_cpp(prompts, new_tokens, n_seq) if args.with_llama_cpp else None
     if args.with_llama_cpp and llama is None:
-        print("llama-cpp-python is not installed: llama_cpp_tok_s is null")
+        print("llama-cpp-python is not installed or failed: llama_cpp_tok_s is null")
 
     data = {"jaxkv_tok_s": r["jaxkv_tok_s"], "jaxkv_single_stream_tok_s": r["jaxkv_single_stream_tok_s"],
             "hf_sequential_tok_s": hf_seq, "hf_batched_tok_s": hf_bat, "llama_cpp_tok_s": llama,
