@@ -17,7 +17,7 @@ def make_case(rng, ctx_lens, q_lens, *, block_size, num_kv_heads, group, head_di
     tables = np.zeros((max_seqs, max_blocks), np.int32)
     k_cache = rng.standard_normal((layers, num_blocks, block_size, num_kv_heads, head_dim)).astype(dtype)
     v_cache = rng.standard_normal(k_cache.shape).astype(dtype)
-    q = np.full((num_tokens, heads, head_dim), np.nan, dtype)  # poisoned padding rows
+    q = np.full((num_tokens, heads, head_dim), np.nan, dtype)  # NaN until filled; padding zeroed below
     seq_lens = np.zeros(max_seqs, np.int32)
     qsl = np.zeros(max_seqs + 1, np.int32)
     refs, used, t = [], 0, 0
