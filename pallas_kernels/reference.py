@@ -89,7 +89,7 @@ def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, qu
     """Row metadata of a step; arguments as in ragged_paged_attention_reference."""
     max_seqs, max_blocks = block_tables.shape
     cb = max(1, min(max_blocks, chunk_tokens // block_size))
-    r = max(1, min(segment_rows, num_tokens))
+    r = _segment_size(segment_rows, num_tokens)
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     valid = rows < query_start_loc[num_seqs[0]]
     seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], rows, side="right"), 0, max_seqs - 1)
@@ -119,11 +119,17 @@ def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, qu
     # with a data-dependent trip count (1 if any row is real, else 0: everything masked) is a
     # boundary XLA does not fuse through.
     any_real = (query_start_loc[num_seqs[0]] > 0).astype(jnp.int32)
-    arrays = (row_idx, jnp.pad(block_tables[seq_id[at]], ((0, 0), (0, cb))), ctx, pos, valid,
-              seq_id.astype(jnp.int32), jnp.pad(block_tables, ((0, 0), (0, cb))), seg_seq,
-              seg_row.astype(jnp.int32), seg_ctx.astype(jnp.int32), ends[-1].astype(jnp.int32))
+    padded = jnp.pad(block_tables, ((0, 0), (0, cb)))  # a chunk may run past the last block
+    arrays = (row_idx, padded[seq_id[at]], ctx, pos, valid, seq_id.astype(jnp.int32), padded,
+              seg_seq, seg_row.astype(jnp.int32), seg_ctx.astype(jnp.int32),
+              ends[-1].astype(jnp.int32))
     empty = tuple(jnp.zeros_like(a) for a in arrays)
     return RaggedMetadata(*jax.lax.fori_loop(0, any_real, lambda i, _: arrays, empty))
+
+
+def _segment_size(segment_rows: int, num_tokens: int) -> int:
+    """Rows per segment: segment_rows, or the whole step when it is shorter."""
+    return max(1, min(segment_rows, num_tokens))
 
 
 def _empty_state(rows, nk, g, d):
@@ -155,7 +161,7 @@ def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, s
     replaces those rows of state. Trip counts: the real segments, then each one's chunks."""
     num_tokens, nk, g, d = qf.shape
     ct = cb * block_size
-    r = max(1, min(seg_rows, num_tokens))
+    r = _segment_size(seg_rows, num_tokens)
 
     def segment(j, st):
         s, start = md.seg_seq[j], md.seg_row[j]
