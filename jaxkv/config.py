@@ -17,6 +17,13 @@ CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the 
 GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's usual default for online serving
 
 
+def check_batched_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    """ValueError unless every running sequence can get a token in a step (vLLM's rule)."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than "
+                         f"or equal to max_num_seqs ({max_num_seqs})")
+
+
 @dataclass
 class EngineArgs:
     """Engine arguments (names and meanings as vLLM's EngineArgs).
@@ -71,6 +78,8 @@ class EngineArgs:
         pos_int("max_num_seqs")
         pos_int("max_num_batched_tokens", True)
         pos_int("num_gpu_blocks_override", True)
+        if self.max_num_batched_tokens is not None:
+            check_batched_tokens(self.max_num_batched_tokens, self.max_num_seqs)
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
             if self.kv_cache_memory_bytes <= 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+from jaxkv.chat_utils import render_chat
 from jaxkv.config import EngineArgs
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.outputs import RequestOutput
@@ -34,12 +35,18 @@ class LLM:
         return self.llm_engine.stats()
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing dropped) while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: str | {"prompt_token_ids": [...]} | a list of those; sampling_params: one
         SamplingParams or one per prompt. Returns finished RequestOutputs in input order.
-        Every prompt is validated before any is queued (ValueError loses nothing)."""
+
+        Every prompt is validated before any is queued: one bad prompt (bad token ids, too
+        long for max_model_len, more blocks than the whole KV pool, a bad parameter) raises
+        ValueError naming it and the whole call runs nothing, so nothing is lost or half
+        done. (vLLM's server answers such a request alone with 400; jaxkv's server does the
+        same, since each HTTP request is validated on its own.)"""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -51,16 +58,23 @@ class LLM:
         return self._run(prompts, params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of them; the
-        model's chat template is applied (transformers' apply_chat_template)."""
+        model's chat template (or `chat_template`, a Jinja string) is applied as transformers'
+        apply_chat_template does, with vLLM's add_generation_prompt / continue_final_message /
+        chat_template_kwargs. Text typed in a message is never encoded as a control token
+        (jaxkv.chat_utils). ValueError names a bad message field; nothing is queued then."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
-                   for c in convs]
-        ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate([{"prompt": p, "prompt_token_ids": i} for p, i in zip(prompts, ids)],
-                             sampling_params, use_tqdm)
+        prompts = []
+        for c in convs:
+            text, ids = render_chat(tok, c, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -121,7 +121,7 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:
-            ids = render_chat(tok, req.messages, req.add_generation_prompt)["prompt_token_ids"]
+            ids = render_chat(tok, req)["prompt_token_ids"]
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}

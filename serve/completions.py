@@ -29,13 +29,16 @@ def _prompts(req: CompletionRequest) -> list:
     return list(p)
 
 
-def _logprobs_block(entries, token_ids, offset: int, k: int | None, tokenizer) -> tuple[dict, int]:
+def _logprobs_block(entries, token_ids, offset: int, k: int | None, token_text) -> tuple[dict, int]:
     """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
-    these tokens, their text starting at character `offset`; and the offset after them."""
+    these tokens, their text starting at character `offset`; and the offset after them.
+    Tokens are shown by their Logprob.decoded_token, unique per token: a token that holds
+    part of a character reads `bytes:\\xNN...` (as vLLM), so no top_logprobs entry is lost
+    to another with the same text."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, d in zip(token_ids, entries):
         if d is None:  # the first prompt token has no logprob (vLLM: its text, then nulls)
-            out["tokens"].append(tokenizer.decode([tid]))
+            out["tokens"].append(token_text(tid))
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:
@@ -45,13 +48,14 @@ def _logprobs_block(entries, token_ids, offset: int, k: int | None, tokenizer) -
             top = sorted(d.values(), key=lambda x: x.rank or 0)
             out["top_logprobs"].append({x.decoded_token: x.logprob for x in top[: (k or 0) + 1]})
         out["text_offset"].append(offset)
-        offset += len(out["tokens"][-1] or "")
+        shown = out["tokens"][-1] or ""
+        offset += 0 if shown.startswith("bytes:") else len(shown)  # a fragment adds no whole character
     return out, offset
 
 
 async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     ctx.check_model(req.model)
-    check_unsupported(req)
+    check_unsupported(req, add_special_tokens=True)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -68,6 +72,7 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     batch.add(prompts, params)
     created, n = int(time.time()), req.n
     tok = ctx.engine.get_tokenizer()
+    token_text = ctx.engine.engine.output_processor.token_text
     prompt_text = [pr[0] if pr[0] is not None else tok.decode(pr[1]) for pr in batch.processed]
     state = {"usage": [0, 0, 0], "echoed": set(), "prompt_lp": {}, "offset": {}}
 
@@ -84,7 +89,7 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
                 ids = list(out.prompt_token_ids) + ids
                 entries = list(state["prompt_lp"][i]) + entries
             lp, state["offset"][idx] = _logprobs_block(entries, ids, state["offset"].get(idx, 0),
-                                                       req.logprobs, tok)
+                                                       req.logprobs, token_text)
         return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
@@ -103,10 +108,18 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
     if req.stream:
         async def chunks():
+            # OpenAI's order per choice: text chunks (finish_reason null), then one chunk
+            # with empty text that carries the finish_reason.
             async for i, out in batch.merged():
                 count(out)
                 for c in out.outputs:
-                    yield {**base, "choices": [choice(i, out, c)]}
+                    ch = choice(i, out, c)
+                    finish = ch["finish_reason"], ch["stop_reason"]
+                    if ch["text"] or (ch["logprobs"] and ch["logprobs"]["tokens"]):
+                        yield {**base, "choices": [{**ch, "finish_reason": None, "stop_reason": None}]}
+                    if finish[0] is not None:
+                        yield {**base, "choices": [{"index": ch["index"], "text": "", "logprobs": None,
+                                                    "finish_reason": finish[0], "stop_reason": finish[1]}]}
             if req.stream_options and req.stream_options.include_usage:
                 yield {**base, "choices": [], "usage": usage()}
         return SSEResponse(sse_events(batch, chunks()))

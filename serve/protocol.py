@@ -1,8 +1,10 @@
 """Request schemas of the OpenAI API (and vLLM's extras), as pydantic models.
 
 Field names, defaults and ranges follow OpenAI's API reference and vLLM's
-``vllm.entrypoints.openai.protocol``. Unknown fields are ignored (as vLLM does), so clients
-that send newer OpenAI fields keep working. Responses are built as plain dicts in
+``vllm.entrypoints.openai.protocol``. Unknown fields are ignored with a warning in the log (as
+vLLM does), so clients that send newer OpenAI fields keep working; but a field of vLLM's or
+OpenAI's API that would change the output and that jaxkv does not implement (UNSUPPORTED) is
+answered with 400 naming it, never silently dropped. Responses are built as plain dicts in
 serve/completions.py and serve/chat.py; their shapes are OpenAI's.
 """
 
@@ -18,7 +20,28 @@ MAX_N = 16
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+
+# Fields jaxkv does not implement -> the values that mean "not used" (sent by some clients
+# by default). Any other value is refused with 400 naming the field.
+UNSUPPORTED: dict[str, tuple] = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+                     "functions", "function_call", "truncate_prompt_tokens", "allowed_token_ids",
+                     "bad_words", "prompt_logprobs", "cache_salt", "logits_processors",
+                     "mm_processor_kwargs", "prediction", "audio", "web_search_options",
+                     "chat_template", "kv_transfer_params", "vllm_xargs"), (None,)),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "priority": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "return_tokens_as_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "modalities": (None, ["text"]),
+}
 
 
 class StreamOptions(_Base):
@@ -81,20 +104,22 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Base):
     type: Literal["text"]
-    text: str
+    text: StrictStr
 
 
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list | None = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+    def as_dict(self) -> dict:
+        """The message as jaxkv.chat_utils takes it (content None stays None: it is refused
+        there with the field named)."""
+        content = self.content
+        if isinstance(content, list):
+            content = [{"type": p.type, "text": p.text} for p in content]
+        return {"role": self.role, "content": content, "name": self.name}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -106,7 +131,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
+    echo: bool = False
 
 
 class TokenizeRequest(_Base):
@@ -116,6 +144,8 @@ class TokenizeRequest(_Base):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Base):

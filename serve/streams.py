@@ -13,6 +13,7 @@ from starlette.responses import StreamingResponse
 
 from jaxkv.engine.async_llm import AsyncLLM, EngineDeadError
 from serve.errors import APIError, bad_request, error_body
+from serve.protocol import UNSUPPORTED
 
 logger = logging.getLogger("jaxkv")
 
@@ -41,8 +42,12 @@ class RequestBatch:
         try:
             for rid, pr in zip(ids, processed):
                 self.streams.append(self.engine.add_processed(rid, pr))
-        except EngineDeadError as e:
-            raise APIError(str(e), 503) from e
+        except (EngineDeadError, ValueError) as e:  # nothing of this batch may run
+            self.ids = self.ids[:len(self.streams)]  # never abort an id that is not ours
+            self.abort()
+            if isinstance(e, EngineDeadError):
+                raise APIError(str(e), 503) from e
+            raise bad_request(e) from e  # an id taken meanwhile
 
     async def merged(self) -> AsyncIterator[tuple[int, object]]:
         """Outputs of all streams in arrival order."""
@@ -85,12 +90,24 @@ class RequestBatch:
             self.engine.abort(left)
 
 
-def check_unsupported(req) -> None:
-    """400 for request fields jaxkv does not implement, rather than silently ignoring them."""
+def check_unsupported(req, add_special_tokens: bool) -> None:
+    """400 for request fields jaxkv does not implement (protocol.UNSUPPORTED, logit_bias, an
+    add_special_tokens other than the route's own), rather than silently ignoring them; other
+    unknown fields are ignored with a warning, as vLLM does."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", 400, "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options can only be set when stream is true", 400, "stream_options")
+    extra = dict(req.model_extra or {})
+    for name, value in extra.items():
+        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            raise APIError(f"{name} is not supported by jaxkv (got {value!r})"[:300], 400, name)
+    if extra.get("add_special_tokens", add_special_tokens) != add_special_tokens:
+        raise APIError(f"add_special_tokens={extra['add_special_tokens']!r} is not supported on this "
+                       f"route (it always uses {add_special_tokens})", 400, "add_special_tokens")
+    ignored = sorted(set(extra) - set(UNSUPPORTED) - {"add_special_tokens"})
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
 def sse(obj) -> str:

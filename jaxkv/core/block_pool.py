@@ -96,16 +96,23 @@ class BlockPool:
                 del self.free_queue[bid]
             blk.ref_cnt += 1
 
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
-        """Register a full block under its hash (first writer wins; duplicates stay uncached)."""
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash (first writer wins; duplicates stay uncached).
+        Returns whether it was registered now."""
         if not self.enable_caching:
-            return
+            return False
         blk = self.blocks[block_id]
         if blk.block_hash is not None:
-            return
+            return False
         if block_hash not in self.cached:
             self.cached[block_hash] = block_id
             blk.block_hash = block_hash
+            return True
+        return False
+
+    def uncache_block(self, block_id: int) -> None:
+        """Forget a block's hash (its contents can no longer be trusted); it stays allocated."""
+        self._evict(self.blocks[block_id])
 
     def free_blocks(self, block_ids) -> None:
         """Drop one reference from each block, in the order given; blocks reaching 0 join the
@@ -117,6 +124,11 @@ class BlockPool:
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
                 self.free_queue[bid] = None
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some request holds (the null block not counted)."""
+        return self.num_total_blocks - self.num_free_blocks
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of a block no request holds; returns how many were dropped."""

@@ -4,11 +4,20 @@ Plain Python, no JAX. Follows vLLM V1's KVCacheManager: full blocks are hashed a
 hash(parent hash, block token ids) and registered as soon as the step that fills them is
 scheduled, so a request scheduled later in the same step can already hit them (the runner
 writes every token's K/V before any attention of that layer reads the cache).
+
+Registrations of the step being scheduled are journalled (`begin_step`): if that step never
+runs (the runner raised, Ctrl-C), `undo_step_hashes` forgets them, so no block whose K/V was
+never written is ever served from the prefix cache. `commit_step` keeps them once it ran.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .block_pool import BlockPool, hash_block_tokens
+
+if TYPE_CHECKING:
+    from ..engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,16 +33,33 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._step_cached: list[int] = []  # blocks registered by the step being scheduled
+
+    # ---- step journal -------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start journalling the hash registrations of a new step."""
+        self._step_cached = []
+
+    def commit_step(self) -> None:
+        """The step ran: its blocks hold the K/V their hashes promise."""
+        self._step_cached = []
+
+    def undo_step_hashes(self) -> int:
+        """The step did not run: forget the hashes it registered. Returns how many."""
+        for bid in self._step_cached:
+            self.pool.uncache_block(bid)
+        n, self._step_cached = len(self._step_cached), []
+        return n
 
     # ---- prefix cache -------------------------------------------------------------------
-    def _update_block_hashes(self, req) -> None:
+    def _update_block_hashes(self, req: Request) -> None:
         bs = self.block_size
         hashes = req.block_hashes
         for i in range(len(hashes), req.num_tokens // bs):
             parent = hashes[i - 1] if i else None
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
 
-    def get_computed_blocks(self, req) -> tuple[list[int], int]:
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest run of cached full blocks that prefixes `req`'s tokens.
 
         Returns (block ids, number of tokens they hold). The hit never covers the last token:
@@ -59,7 +85,7 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit
 
     # ---- allocation ---------------------------------------------------------------------
-    def allocate_slots(self, req, num_new_tokens: int, new_computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after req.num_computed_tokens (plus the
         tokens of `new_computed_blocks`, a prefix hit taken now). Returns False, changing
         nothing, when the free queue cannot cover it (the scheduler then preempts)."""
@@ -82,7 +108,7 @@ class KVCacheManager:
         self._cache_full_blocks(req, total)
         return True
 
-    def _cache_full_blocks(self, req, num_tokens: int) -> None:
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
         start = self.num_cached_blocks.get(req.request_id, 0)
@@ -92,10 +118,11 @@ class KVCacheManager:
         self._update_block_hashes(req)
         blocks = self.req_to_blocks[req.request_id]
         for i in range(start, end):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+            if self.pool.cache_block(blocks[i], req.block_hashes[i]):
+                self._step_cached.append(blocks[i])
         self.num_cached_blocks[req.request_id] = end
 
-    def fork(self, parent, child, num_blocks: int) -> None:
+    def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
         """Share the first `num_blocks` (full, computed) blocks of `parent` with `child` (n > 1)."""
         shared = self.req_to_blocks[parent.request_id][:num_blocks]
         self.pool.touch(shared)
@@ -103,7 +130,7 @@ class KVCacheManager:
         self.num_cached_blocks[child.request_id] = num_blocks
         child.block_hashes = list(parent.block_hashes[:num_blocks])
 
-    def free(self, req) -> None:
+    def free(self, req: Request) -> None:
         """Release every block of `req`, tail first (so its tail is evicted before its head)."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
@@ -112,8 +139,13 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])
 
-    def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, as vLLM: refused (False, nothing dropped) while any
+        request holds blocks, since those blocks would lose their hashes mid-use."""
+        if self.pool.num_used_blocks:
+            return False
+        self.pool.reset_prefix_cache()
+        return True
 
     @property
     def num_free_blocks(self) -> int:

@@ -6,6 +6,12 @@ under max_num_batched_tokens, running requests first, then waiting ones in FCFS 
 prefill, mixed prefill+decode steps, prefix hits, decode and resumption after preemption all
 follow from that. When blocks run out the newest running request is preempted by recompute
 (blocks freed, tokens kept, requeued at the front of the waiting queue).
+
+A step is committed by `advance` once the runner has run it. If it never runs (the runner
+raised, Ctrl-C), `undo_step` puts back what scheduling it changed: the hashes it registered
+are forgotten and its requests are requeued to recompute what the step would have computed,
+exactly as after a preemption; blocks computed by earlier steps keep their hashes. If the
+failure also lost the pool's contents, `drop_all_kv` sends every request back to recompute.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}  # parent id -> children waiting for its prompt
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0
+        # Journal of the step being scheduled: (request, was running, prefix lookup counted
+        # now as (queried, hit) or None, first scheduled now).
+        self._step_journal: list[tuple[Request, bool, tuple[int, int] | None, bool]] = []
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, req: Request, children: list[Request] = ()) -> None:
@@ -54,6 +63,10 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts; allocates their slots. The step
+        stays undoable (undo_step) until advance() commits it."""
+        self.kv.begin_step()
+        self._step_journal = []
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         preempted: list[str] = []
@@ -72,6 +85,7 @@ class Scheduler:
                     break
             if n == 0:
                 break
+            self._step_journal.append((req, True, None, False))
             chosen.append((req, n))
             budget -= n
             i += 1
@@ -103,14 +117,18 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break
             self.waiting.popleft()
+            lookup = None
             if req.num_cached_tokens < 0:  # first admission: count the prefix-cache lookup
                 req.num_cached_tokens = num_hit
                 if self.kv.enable_caching and req.sampling_params.prompt_logprobs is None:
-                    self.kv.record_prefix_lookup(req.num_prompt_tokens, num_hit)
+                    lookup = (req.num_prompt_tokens, num_hit)
+                    self.kv.record_prefix_lookup(*lookup)
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
-            if req.times.first_scheduled_time is None:
+            first = req.times.first_scheduled_time is None
+            if first:
                 req.times.first_scheduled_time = now
+            self._step_journal.append((req, False, lookup, first))
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
@@ -123,7 +141,6 @@ class Scheduler:
         targets = []
         if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
             targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
-        self.num_computed_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
         return ScheduledRequest(
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
             num_computed_tokens=start, block_ids=list(self.kv.get_block_ids(req.request_id)),
@@ -144,14 +161,63 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
-        """Credit the computed tokens and fork children whose parent's prompt is now done."""
+        """The step ran: commit it, credit the computed tokens and fork children whose
+        parent's prompt is now done."""
         for s in out.scheduled:
             req = self.requests[s.request_id]
+            start = s.num_computed_tokens
+            self.num_computed_prompt_tokens += max(
+                0, min(start + s.num_scheduled_tokens, req.num_prompt_tokens) - start)
             req.num_computed_tokens += s.num_scheduled_tokens
             kids = self.pending_forks.get(req.request_id)
             if kids and req.num_computed_tokens >= req.num_prompt_tokens:
                 del self.pending_forks[req.request_id]
                 self._fork(req, kids)
+        self.kv.commit_step()
+        self._step_journal = []
+
+    def undo_step(self) -> int:
+        """The step last scheduled did not run: forget the block hashes it registered and
+        requeue its requests, at the front of the waiting queue in their scheduled order, to
+        recompute from their cached prefix (blocks freed, prefix lookups and first-schedule
+        times of this step forgotten). Returns the number of requests requeued."""
+        self.kv.undo_step_hashes()
+        journal, self._step_journal = self._step_journal, []
+        requeued = []
+        for req, was_running, lookup, first in journal:
+            if req.status.is_finished or req.request_id not in self.requests:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED if was_running else RequestStatus.WAITING
+            if lookup is not None:
+                self.kv.prefix_cache_queries -= lookup[0]
+                self.kv.prefix_cache_hits -= lookup[1]
+                req.num_cached_tokens = -1
+            if first:
+                req.times.first_scheduled_time = None
+            requeued.append(req)
+        for req in reversed(requeued):
+            self.waiting.appendleft(req)
+        return len(requeued)
+
+    def drop_all_kv(self) -> None:
+        """The KV pool's contents were lost: every request recomputes from its first token,
+        and no block hash survives."""
+        self.undo_step()
+        for req in reversed(self.running):
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+        self.running.clear()
+        for req in self.waiting:  # forked children hold their parent's shared blocks
+            if self.kv.get_block_ids(req.request_id):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+        self.kv.pool.reset_prefix_cache()
 
     def _fork(self, parent: Request, kids: list[Request]) -> None:
         shared = (parent.num_prompt_tokens - 1) // self.block_size
@@ -176,5 +242,6 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self) -> bool:
+        """False (nothing dropped) while any request holds blocks, as vLLM."""
         return self.kv.reset_prefix_cache()

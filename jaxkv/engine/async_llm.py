@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from typing import AsyncIterator
 
+from jaxkv.engine.llm_engine import child_request_id
 from jaxkv.engine.stat_logger import LoggingStatLogger
 from jaxkv.outputs import RequestOutput
 from jaxkv.sampling_params import SamplingParams
@@ -32,8 +33,9 @@ class RequestStream:
     """Async iterator over one request's RequestOutputs; ends after the finished one.
     Raises EngineDeadError if the engine dies while the request runs."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, ids: frozenset = frozenset()):
         self.request_id = request_id
+        self.ids = ids or frozenset((request_id,))  # the engine's ids of its samples too
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
@@ -104,18 +106,30 @@ class AsyncLLM:
         """Validate and tokenize without queueing (ValueError on bad input)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.engine.process_inputs(request_id, prompt, params)
+        processed = self.engine.process_inputs(request_id, prompt, params)
+        with self._cond:
+            self._check_free(request_id, _sample_ids(request_id, processed[2].n))
+        return processed
+
+    def _check_free(self, request_id: str, ids: frozenset) -> None:
+        """ValueError if a live stream already uses one of `ids` (its own id or a sample's);
+        the engine thread may not have seen that stream's request yet. Call under _cond."""
+        for s in self._streams.values():
+            if s.ids & ids:
+                raise ValueError(f"request_id {request_id!r} is already in use"
+                                 + ("" if s.request_id == request_id else
+                                    f" (it collides with the sample ids of {s.request_id!r})"))
 
     def add_processed(self, request_id: str, processed) -> RequestStream:
         """Queue a request checked by process_inputs; outputs arrive on the returned stream.
         Raises EngineDeadError if the engine has stopped (checked under the inbox lock, so a
         stream is never registered with a dead engine)."""
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        ids = _sample_ids(request_id, processed[2].n)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), ids)
         with self._cond:
             if self.dead is not None:
                 raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+            self._check_free(request_id, ids)
             self._streams[request_id] = stream
             self._inbox.append(("add", request_id, processed))
             self._cond.notify()
@@ -174,7 +188,10 @@ class AsyncLLM:
                         raise EngineDeadError("the engine was shut down")
                     if cmd[0] == "add":
                         _, rid, (text, ids, params) = cmd
-                        engine.add_processed(rid, text, ids, params)
+                        try:
+                            engine.add_processed(rid, text, ids, params)
+                        except ValueError as e:  # that request alone fails; the engine goes on
+                            self._finish_stream(rid, e)
                     else:
                         outputs += engine.abort_request(cmd[1])
                         for rid in cmd[1]:
@@ -212,6 +229,10 @@ class AsyncLLM:
         s = self._streams.pop(rid, None)
         if s is not None:
             s.put(err)
+
+
+def _sample_ids(request_id: str, n: int) -> frozenset:
+    return frozenset([request_id] + [child_request_id(request_id, j, n) for j in range(n)])
 
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]

@@ -14,6 +14,8 @@ character; nothing is emitted and the offsets stay put until a later token compl
 
 from __future__ import annotations
 
+import re
+from functools import lru_cache
 from typing import Any
 
 from jaxkv.sampling_params import SamplingParams
@@ -39,10 +41,48 @@ def _ids_to_tokens(tokenizer: Any, token_ids: list[int], skip_special_tokens: bo
 def detokenize_token(tokenizer: Any, token_id: int) -> str:
     """The text of one token alone: the ``decoded_token`` of a vLLM Logprob entry.
 
-    A token holding only part of a multi-byte character decodes to U+FFFD, as in vLLM.
+    A token holding only part of a multi-byte character cannot be shown as text; it reads
+    ``bytes:`` followed by its bytes as ``\\xNN`` escapes (``bytes:\\xe6\\x97``), as vLLM
+    shows such tokens, so two fragments never share a text (a real U+FFFD stays itself).
     """
     tokens = _ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False)
-    return tokenizer.convert_tokens_to_string(tokens) if tokens and tokens[0] else ""
+    text = tokenizer.convert_tokens_to_string(tokens) if tokens and tokens[0] else ""
+    if _REPLACEMENT_CHAR in text:
+        raw = token_bytes(tokenizer, token_id, tokens[0])
+        if raw is not None and raw != text.encode():
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's printable character -> byte map (the inverse of the byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            out[chr(byte)] = byte
+        else:
+            out[chr(256 + extra)] = byte
+            extra += 1
+    return out
+
+
+def token_bytes(tokenizer: Any, token_id: int, token: str | None = None) -> bytes | None:
+    """The raw bytes of one token: from a byte-fallback piece (``<0xE6>``) or a byte-level
+    BPE token (GPT-2's alphabet); None when the token is neither."""
+    if token is None:
+        token = (_ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False) or [""])[0]
+    m = _BYTE_FALLBACK.fullmatch(token)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    table = _byte_level_decoder()
+    if token and all(ch in table for ch in token):
+        return bytes(table[ch] for ch in token)
+    return None
 
 
 def find_stop_string(

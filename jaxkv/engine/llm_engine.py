@@ -19,6 +19,11 @@ from jaxkv.sampling_params import SamplingParams
 logger = logging.getLogger("jaxkv")
 
 
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Internal id of sample `index` of a request with n samples (vLLM's f"{index}_{id}")."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
 class LLMEngine:
     """Build with `LLMEngine.from_engine_args(EngineArgs(...))` (see jaxkv.engine.setup)."""
 
@@ -45,7 +50,10 @@ class LLMEngine:
 
     # ---- intake -------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """str | {"prompt": str} | {"prompt_token_ids": [...]} -> (text, ids). ValueError if bad."""
+        """str | {"prompt": str} | {"prompt_token_ids": [...]} | a list of token ids -> (text,
+        ids). ValueError if bad."""
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, list(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -96,17 +104,31 @@ class LLMEngine:
         if need > kv.num_total_blocks:
             raise ValueError(f"request needs {need} blocks ({len(ids)} prompt + {params.max_tokens} "
                              f"max_tokens), but the KV cache has only {kv.num_total_blocks}")
-        if request_id in self.output_processor.groups or request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_request_id(request_id, params.n)
         return text, ids, params
 
+    def _check_request_id(self, request_id: str, n: int) -> None:
+        """ValueError unless `request_id` and the ids of its n samples are all free: a user
+        id may not equal another request's sample id ("0_x" next to "x" with n > 1), nor the
+        other way round."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        op = self.output_processor
+        in_use = lambda rid: rid in op.groups or rid in op.child_to_group or rid in self.scheduler.requests  # noqa: E731
+        for rid in [request_id] + [child_request_id(request_id, j, n) for j in range(n)]:
+            if in_use(rid):
+                what = "" if rid == request_id else f" (the id of its sample {rid!r} is taken)"
+                raise ValueError(f"request_id {request_id!r} is already in use{what}")
+
     def add_processed(self, request_id: str, text, ids, params, arrival_time=None) -> None:
-        """Queue a request already checked by process_inputs."""
+        """Queue a request already checked by process_inputs. ValueError (nothing queued) if
+        its id or a sample's id was taken since."""
+        self._check_request_id(request_id, params.n)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
         t = arrival_time or time.monotonic()
         children = []
         for j in range(params.n):
-            rid = request_id if params.n == 1 else f"{j}_{request_id}"
+            rid = child_request_id(request_id, j, params.n)
             r = Request(rid, ids, params, self.eos_token_ids, seed, sample_index=j,
                         parent_id=request_id, prompt=text)
             r.times.arrival_time = t
@@ -121,12 +143,21 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one jitted step, sample, and return this step's outputs (shaped by
-        each request's output_kind)."""
+        each request's output_kind).
+
+        If scheduling or the runner raises (an XLA error, KeyboardInterrupt), the step is
+        undone before the error propagates: nothing it registered in the prefix cache
+        survives, its requests are requeued to recompute, and if the KV pool itself was lost
+        every request recomputes. The engine stays usable (call step() again, or abort)."""
         sched = self.scheduler
-        out = sched.schedule()
-        if not out.scheduled:
-            return []
-        res = self.runner.execute(out)
+        try:
+            out = sched.schedule()
+            if not out.scheduled:
+                return []
+            res = self.runner.execute(out)
+        except BaseException:
+            self._undo_failed_step()
+            raise
         sched.advance(out)
         now = time.monotonic()
         op = self.output_processor
@@ -154,6 +185,17 @@ class LLMEngine:
                 outputs.append(o)
         return outputs
 
+    def _undo_failed_step(self) -> None:
+        try:
+            lost = self.runner.recover_kv_cache()
+        finally:
+            n = self.scheduler.undo_step()
+        if lost:
+            self.scheduler.drop_all_kv()
+        logger.warning("a step failed and was undone: %d requests requeued to recompute%s", n,
+                       "; the KV cache was lost and reallocated, every request recomputes"
+                       if lost else "")
+
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests (user ids, all n samples); their blocks are freed at once."""
         if isinstance(request_ids, str):
@@ -176,8 +218,9 @@ class LLMEngine:
         return self.tokenizer
 
     def reset_prefix_cache(self) -> bool:
-        self.scheduler.reset_prefix_cache()
-        return True
+        """Forget every cached block hash. As vLLM, refused (False, nothing dropped) while
+        any request holds blocks; True once done."""
+        return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

@@ -45,7 +45,7 @@ def build_engine(cls, args):
     import jax.numpy as jnp
 
     from jaxkv.attention import resolve_backend
-    from jaxkv.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS
+    from jaxkv.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, check_batched_tokens
     from jaxkv.core.kv_budget import plan_kv_cache
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
@@ -69,6 +69,7 @@ def build_engine(cls, args):
     backend = resolve_backend(args.attention_backend, platform)
     mnbt = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if platform == "gpu"
                                            else CPU_MAX_NUM_BATCHED_TOKENS)
+    check_batched_tokens(mnbt, args.max_num_seqs)
     buckets = args.token_buckets or default_token_buckets(mnbt)
     if buckets[-1] < mnbt:
         raise ValueError(f"token_buckets {buckets} must reach max_num_batched_tokens={mnbt}")

@@ -47,8 +47,8 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.max_logprobs = max_logprobs
         self.vocab_size = c.vocab_size
-        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_cache = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+        self.num_blocks = num_blocks
+        self.kv_cache = self._new_kv_cache()
         self.enforce_eager = enforce_eager
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         self._step_jit = jit(self._forward, donate_argnums=(1,))
@@ -89,6 +89,26 @@ class ModelRunner:
         if exe is None:
             exe = self._step_exe[t] = self._step_jit.lower(params, kv_cache, input_ids, attn).compile()
         return exe(params, kv_cache, input_ids, attn)
+
+    def _new_kv_cache(self):
+        c = self.model.cfg
+        shape = (c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        return (jnp.zeros(shape, self.model.dtype), jnp.zeros(shape, self.model.dtype))
+
+    def recover_kv_cache(self) -> bool:
+        """After a failed step: True when the KV pool did not survive it (donated to a program
+        that failed, or holding its error) and was reallocated as zeros; False when it is
+        intact. Every block's contents are gone when True."""
+        try:
+            for a in self.kv_cache:
+                if a.is_deleted():
+                    raise RuntimeError("KV pool donated to a step that did not finish")
+                a.block_until_ready()
+            return False
+        except Exception:  # noqa: BLE001 - any failure to read it back means it is lost
+            self.kv_cache = None
+            self.kv_cache = self._new_kv_cache()
+            return True
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

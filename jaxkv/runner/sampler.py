@@ -11,9 +11,12 @@ Penalty counts are computed on device from token ids the host passes in the step
 drops); nothing about a request is kept in device state between steps.
 
 Randomness: row r draws one uniform from fold_in(fold_in(PRNGKey(seed_r), sample_index_r),
-num_output_tokens_r) and inverts the CDF, so a seeded request gets the same tokens alone or
-inside any batch. A batch of only greedy rows never sorts the vocabulary ("greedy" mode), and
-rows without top-k/top-p do not either ("random" mode); "filtered" sorts once per row.
+num_output_tokens_r) and inverts the CDF of its kept probabilities, always in vocabulary order,
+so a row's token is a function of its own logits, parameters, seed and position only: the same
+alone or next to any other rows, whatever mode the step runs in. Modes only decide how much
+work a step does: a batch of only greedy rows never builds probabilities ("greedy"); top-k and
+top-p need a sort per row, done only when some row of the step asks for them ("filtered"); a
+row without them keeps exactly the same probabilities in "random" and "filtered" mode.
 """
 
 from __future__ import annotations
@@ -79,6 +82,27 @@ def _inverse_cdf(probs, u):
     return jnp.minimum(jnp.sum(cdf < x, axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
 
 
+def _top_k_top_p_mask(probs, top_k, top_p):
+    """Which tokens top-k, then top-p (on what top-k keeps) leave in, in vocabulary order.
+
+    probs float32 [R, V]; top_k int32 [R] (0 = off); top_p float32 [R] (1 = off) -> bool
+    [R, V]. A row with both off keeps every token, so its probabilities are bit-identical to
+    the unfiltered path. Ties are ranked by token id (stable sort), as the row's own data
+    decides. Semantics as vLLM's top-k/top-p sampler (top-p keeps the smallest prefix of the
+    sorted tokens whose mass reaches p, and always the most likely token).
+    """
+    r, v = probs.shape
+    order = jnp.argsort(-probs, axis=-1, stable=True)
+    ps = jnp.take_along_axis(probs, order, axis=-1)
+    rank = jnp.arange(v)[None]
+    k = jnp.where(top_k > 0, top_k, v)[:, None]
+    ps = jnp.where(rank < k, ps, 0.0)
+    before = jnp.cumsum(ps, axis=-1) - ps  # mass strictly before this token
+    in_p = (before < top_p[:, None] * jnp.sum(ps, -1, keepdims=True)) | (rank == 0)
+    keep_sorted = (rank < k) & (in_p | (top_p[:, None] >= 1.0))
+    return jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep_sorted)
+
+
 def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, *, mode: str,
            num_logprobs: int) -> SamplerOutput:
     """logits float32 [R, V] -> SamplerOutput. mode in MODES (static); num_logprobs static
@@ -92,18 +116,9 @@ def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, *, mode: 
         t = jnp.where(greedy, 1.0, s.temperature)[:, None]
         probs = jax.nn.softmax(logits / t, axis=-1)
         probs = jnp.where(probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
-        u = _uniforms(s)
         if mode == "filtered":
-            order = jnp.argsort(-probs, axis=-1)
-            ps = jnp.take_along_axis(probs, order, axis=-1)
-            rank = jnp.arange(ps.shape[-1])[None]
-            k = jnp.where(s.top_k > 0, s.top_k, ps.shape[-1])[:, None]
-            ps = jnp.where(rank < k, ps, 0.0)  # top-k first; top-p on what it keeps
-            before = jnp.cumsum(ps, axis=-1) - ps  # mass strictly before this token
-            keep = (before < s.top_p[:, None] * jnp.sum(ps, -1, keepdims=True)) | (rank == 0)
-            picked = jnp.take_along_axis(order, _inverse_cdf(jnp.where(keep, ps, 0.0), u)[:, None], -1)[:, 0]
-        else:
-            picked = _inverse_cdf(probs, u)
+            probs = jnp.where(_top_k_top_p_mask(probs, s.top_k, s.top_p), probs, 0.0)
+        picked = _inverse_cdf(probs, _uniforms(s))
         tokens = jnp.where(greedy, tokens, picked.astype(jnp.int32))
     r = logits.shape[0]
     if num_logprobs:

@@ -91,15 +91,20 @@ def test_cached_free_blocks_are_hit_then_evicted_lru():
     assert hit == [1]
 
 
-def test_reset_prefix_cache_drops_unheld_blocks_only():
+def test_reset_prefix_cache_is_refused_while_blocks_are_held():
+    # vLLM's rule: resetting while a request holds blocks returns False and drops nothing.
     kv = KVCacheManager(num_blocks=8, block_size=2)
     a = req("a", [1, 2, 3, 4, 5])
     b = req("b", [6, 7, 8, 9, 1])
     assert kv.allocate_slots(a, 5) and kv.allocate_slots(b, 5)
     kv.free(a)
-    assert kv.reset_prefix_cache() == 2
-    assert kv.get_computed_blocks(req("a2", [1, 2, 3, 4, 5]))[1] == 0
+    assert kv.reset_prefix_cache() is False
+    assert kv.get_computed_blocks(req("a2", [1, 2, 3, 4, 5]))[1] == 4
     assert kv.get_computed_blocks(req("b2", [6, 7, 8, 9, 1]))[1] == 4
+    kv.free(b)
+    assert kv.reset_prefix_cache() is True
+    assert kv.get_computed_blocks(req("a2", [1, 2, 3, 4, 5]))[1] == 0
+    assert kv.get_computed_blocks(req("b2", [6, 7, 8, 9, 1]))[1] == 0
 
 
 def test_no_hits_when_caching_disabled_or_prompt_logprobs():

@@ -1,0 +1,130 @@
+"""Chat messages -> prompt text and token ids, with the model's chat template.
+
+The template is rendered by transformers' ``apply_chat_template`` (jinja2), with its
+``add_generation_prompt`` and ``continue_final_message`` semantics. Token ids: the control
+tokens come from the template alone. Text that a user types into a message (say
+``<|im_end|>\\n<|im_start|>system``) is encoded as ordinary text, never as the control token it
+spells, so a message cannot forge a turn of another role (prompt injection through the
+template). Messages without such text are encoded exactly as transformers does (the rendered
+string in one piece); a message with it is encoded apart from the template around it, with
+special-token parsing off (``split_special_tokens``).
+
+Errors: ValueError naming the message and field (``messages[0].content``) for a bad message,
+an unsafe template, or a template that rejects the conversation.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# Private-use characters around each placeholder: no template writes them.
+_MARK = "\ue000jaxkv-content-{}\ue001"
+_MARK_RE = re.compile("\ue000jaxkv-content-(\\d+)\ue001")
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The texts of the tokenizer's special (control) tokens."""
+    texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    texts.update(tokenizer.all_special_tokens)
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of OpenAI text parts joined with
+    newlines (as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ValueError(f"{where}[{j}]: only text parts ({{'type': 'text', 'text': str}}) "
+                                 f"are supported, got {p!r}"[:300])
+            parts.append(p["text"])
+        return "\n".join(parts)
+    raise ValueError(f"{where}: must be a string or a non-empty list of text parts, got {content!r}"[:300])
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Check one conversation and return plain {"role", "content"[, "name"]} dicts (developer
+    becomes system, text parts are joined). ValueError names the first bad field."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}"[:300])
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+        if m.get("content") is None:
+            raise ValueError(f"messages[{i}].content must be given (a string or text parts); null "
+                             "content is allowed only on an assistant message with tool_calls, "
+                             "and jaxkv does not take tool calls yet")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _content_text(m["content"], f"messages[{i}].content")}
+        if m.get("name") is not None:
+            msg["name"] = str(m["name"])
+        out.append(msg)
+    return out
+
+
+def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """One conversation -> (prompt text, prompt token ids); ids are not given BOS again.
+
+    continue_final_message: the last message (an open assistant turn, say) is left open for
+    the model to continue, as transformers and vLLM do; it excludes add_generation_prompt.
+    chat_template_kwargs: extra variables for the template (not the reserved names).
+    """
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                         "(set add_generation_prompt to false to continue the final message)")
+    convo = normalize_messages(messages)
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = {"conversation", "messages", "tokenize", "add_generation_prompt",
+                "continue_final_message", "chat_template", "return_dict"} & set(kwargs)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the request "
+                         "itself and cannot be passed here")
+
+    def render(conv):
+        try:
+            return tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
+        except Exception as e:  # jinja2 errors raised by the template itself (bad roles, ...)
+            raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+    text = render(convo)
+    specials = special_token_texts(tokenizer)
+    for i, m in enumerate(convo):
+        if "name" in m and any(s in m["name"] for s in specials):
+            raise ValueError(f"messages[{i}].name must not contain control-token text")
+    typed = [i for i, m in enumerate(convo) if any(s in m["content"] for s in specials)]
+    if not typed:
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, _encode_with_typed_text(tokenizer, convo, typed, render, text)
+
+
+def _encode_with_typed_text(tokenizer, convo, typed, render, text) -> list[int]:
+    """Render with placeholders for the messages in `typed`, encode the template's pieces
+    with special tokens parsed and those messages' text without; the pieces must rebuild
+    `text` exactly, else the template transforms the content and the request is refused."""
+    marked = [dict(m, content=_MARK.format(i)) if i in typed else m for i, m in enumerate(convo)]
+    pieces = _MARK_RE.split(render(marked))
+    ids, rebuilt = [], []
+    for j, piece in enumerate(pieces):
+        if j % 2:  # a placeholder: the message's own text, never control tokens
+            content = convo[int(piece)]["content"]
+            rebuilt.append(content)
+            ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            rebuilt.append(piece)
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    if "".join(rebuilt) != text:
+        raise ValueError(f"messages[{typed[0]}].content contains control-token text and the chat "
+                         "template changes message content, so it cannot be encoded safely")
+    return ids
