@@ -192,7 +192,7 @@ class LLMEngine:
             n = self.scheduler.undo_step()
         if lost:
             self.scheduler.drop_all_kv()
-        logger.warning("a step failed and was undone: %d requests requeued to recompute%s", n,
+        logger.warning("a step failed and was undone: %d request(s) requeued to recompute%s", n,
                        "; the KV cache was lost and reallocated, every request recomputes"
                        if lost else "")
 

@@ -70,3 +70,30 @@ def test_logprobs_are_raw_and_ranked():
     assert int(out.token_ids[0]) == 1 and int(out.rank[0]) == 1
     np.testing.assert_allclose(np.asarray(out.top_logprobs[0]), lp[[1, 2, 0]], rtol=1e-5)
     assert np.asarray(out.top_ids[0]).tolist() == [1, 2, 0]
+
+
+def test_a_row_draws_the_same_token_in_every_mode_and_batch():
+    # Case C1's kind: a row's token depends on its own logits, parameters, seed and step only,
+    # never on the mode its neighbours force or on where it sits in the batch.
+    rng = np.random.default_rng(1)
+    row = rng.standard_normal(V).astype(np.float32) * 2
+    for seed in range(50):
+        alone = smp.sample(jnp.asarray(row[None]), arrays(1, seeds=[seed], step=seed % 4), None,
+                           mode="random", num_logprobs=0).token_ids[0]
+        r = 4
+        logits = np.tile(row, (r, 1))
+        logits[1:] += rng.standard_normal((r - 1, V)).astype(np.float32)
+        s = arrays(r, seeds=[seed, 1, 2, 3], step=seed % 4)
+        s = s._replace(top_k=np.array([0, 3, 0, 1], np.int32), top_p=np.array([1, 1, .5, 1], np.float32),
+                       temperature=np.array([1, 1, 1, 0], np.float32))
+        filtered = smp.sample(jnp.asarray(logits), s, None, mode="filtered", num_logprobs=2).token_ids[0]
+        assert int(filtered) == int(alone), seed
+
+
+def test_top_k_and_top_p_keep_the_right_tokens_in_vocabulary_order():
+    probs = jnp.asarray(np.array([[0.1, 0.4, 0.2, 0.3] + [0.0] * (V - 4)] * 3, np.float32))
+    keep = np.asarray(smp._top_k_top_p_mask(probs, np.array([2, 0, 0], np.int32),
+                                            np.array([1.0, 0.6, 1.0], np.float32)))
+    assert keep[0, :4].tolist() == [False, True, False, True]  # top-2: 0.4 and 0.3
+    assert keep[1, :4].tolist() == [False, True, False, True]  # 0.4 + 0.3 reaches 0.6
+    assert keep[2].all()  # both off: every token stays, so probabilities are untouched
