@@ -136,6 +136,8 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
+            if not -2**63 <= self.seed < 2**64:
+                _fail("seed", "must fit in 64 bits", self.seed)
 
         if self.stop is None:
             self.stop = []

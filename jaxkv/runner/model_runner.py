@@ -151,13 +151,16 @@ class ModelRunner:
         top_k = np.zeros(r, np.int32)
         min_p = np.zeros(r, np.float32)
         seed = np.zeros(r, np.uint32)
+        seed_hi = np.zeros(r, np.uint32)
         idx = np.zeros(r, np.int32)
         step = np.zeros(r, np.int32)
         for i, s in enumerate(out.scheduled):
             p = s.sampling_params
             temp[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
-            seed[i], idx[i], step[i] = s.seed & 0xFFFFFFFF, s.sample_index, s.num_output_tokens
-        return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step)
+            seed64 = s.seed & 0xFFFFFFFFFFFFFFFF  # 64-bit two's complement: -1 and 2**64-1 agree
+            seed[i], seed_hi[i] = seed64 & 0xFFFFFFFF, seed64 >> 32
+            idx[i], step[i] = s.sample_index, s.num_output_tokens
+        return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step, seed_hi)
 
     def _penalty_arrays(self, out, r) -> smp.PenaltyArrays:
         v, L = self.vocab_size, self.max_model_len

@@ -39,6 +39,7 @@ class SamplingArrays(NamedTuple):
     seed: jax.Array           # uint32
     sample_index: jax.Array   # int32 (child j of an n > 1 request)
     step: jax.Array           # int32 (output tokens so far)
+    seed_hi: jax.Array | None = None  # uint32: bits 32-63 of the seed (two's complement)
 
 
 class PenaltyArrays(NamedTuple):
@@ -70,10 +71,15 @@ def apply_penalties(logits, p: PenaltyArrays):
 
 
 def _uniforms(s: SamplingArrays):
-    def one(seed, j, step):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), j), step)
+    hi = s.seed_hi if s.seed_hi is not None else jnp.zeros_like(s.seed)
+
+    def one(seed, seed_hi, j, step):
+        key = jax.random.PRNGKey(seed)
+        # Seeds below 2**32 keep their stream; higher bits (and negative seeds) fold in.
+        key = jnp.where(seed_hi != 0, jax.random.fold_in(key, seed_hi), key)
+        key = jax.random.fold_in(jax.random.fold_in(key, j), step)
         return jax.random.uniform(key, (), jnp.float32, minval=1e-7, maxval=1.0)
-    return jax.vmap(one)(s.seed, s.sample_index, s.step)
+    return jax.vmap(one)(s.seed, hi, s.sample_index, s.step)
 
 
 def _inverse_cdf(probs, u):

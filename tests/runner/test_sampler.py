@@ -97,3 +97,27 @@ def test_top_k_and_top_p_keep_the_right_tokens_in_vocabulary_order():
     assert keep[0, :4].tolist() == [False, True, False, True]  # top-2: 0.4 and 0.3
     assert keep[1, :4].tolist() == [False, True, False, True]  # 0.4 + 0.3 reaches 0.6
     assert keep[2].all()  # both off: every token stays, so probabilities are untouched
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    logits = jnp.zeros((16, V))
+    lo = np.full(16, 1, np.uint32)
+
+    def draw(hi):
+        s = arrays(16, seeds=lo, step=0)._replace(sample_index=np.arange(16, dtype=np.int32),
+                                                  seed_hi=np.full(16, hi, np.uint32))
+        return np.asarray(smp.sample(logits, s, None, mode="random", num_logprobs=0).token_ids)
+    plain = np.asarray(smp.sample(logits, arrays(16, seeds=lo)._replace(
+        sample_index=np.arange(16, dtype=np.int32)), None, mode="random", num_logprobs=0).token_ids)
+    assert (draw(0) == plain).all()          # seeds below 2**32 keep their stream
+    assert (draw(1) != plain).any()          # seed 2**32 + 1 is not seed 1
+
+
+def test_seed_must_fit_in_64_bits():
+    import pytest
+
+    from jaxkv import SamplingParams
+    SamplingParams(seed=-1)
+    SamplingParams(seed=2**64 - 1)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
