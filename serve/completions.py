@@ -7,9 +7,11 @@ echo prepends the prompt (with logprobs, the prompt's logprobs come from prompt_
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 
+from serve.chat import token_bytes
 from serve.context import OUTPUT_KIND, ServerContext
 from serve.errors import APIError, bad_request
 from serve.protocol import CompletionRequest
@@ -29,9 +31,24 @@ def _prompts(req: CompletionRequest) -> list:
     return list(p)
 
 
-def _logprobs_block(entries, token_ids, offset: int, k: int | None, token_text) -> tuple[dict, int]:
+class _TextOffset:
+    """The character offset of the next token in a choice's text, carried across chunks. Each
+    token's bytes go through a UTF-8 decoder, so tokens holding parts of one character
+    (`bytes:\\xNN...`) advance the offset by that character once it is complete."""
+
+    def __init__(self):
+        self.chars, self._utf8 = 0, codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, shown: str) -> int:
+        """The offset of a token shown as `shown`; moves past it."""
+        at = self.chars
+        self.chars += len(self._utf8.decode(bytes(token_bytes(shown))))
+        return at
+
+
+def _logprobs_block(entries, token_ids, offset: _TextOffset, k: int | None, token_text) -> dict:
     """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
-    these tokens, their text starting at character `offset`; and the offset after them.
+    these tokens, their text continuing at `offset` (advanced here).
     Tokens are shown by their Logprob.decoded_token, unique per token: a token that holds
     part of a character reads `bytes:\\xNN...` (as vLLM), so no top_logprobs entry is lost
     to another with the same text."""
@@ -47,10 +64,8 @@ def _logprobs_block(entries, token_ids, offset: int, k: int | None, token_text) 
             out["token_logprobs"].append(lp.logprob)
             top = sorted(d.values(), key=lambda x: x.rank or 0)
             out["top_logprobs"].append({x.decoded_token: x.logprob for x in top[: (k or 0) + 1]})
-        out["text_offset"].append(offset)
-        shown = out["tokens"][-1] or ""
-        offset += 0 if shown.startswith("bytes:") else len(shown)  # a fragment adds no whole character
-    return out, offset
+        out["text_offset"].append(offset.take(out["tokens"][-1] or ""))
+    return out
 
 
 async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
@@ -88,8 +103,8 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
             if req.echo and first and i in state["prompt_lp"]:
                 ids = list(out.prompt_token_ids) + ids
                 entries = list(state["prompt_lp"][i]) + entries
-            lp, state["offset"][idx] = _logprobs_block(entries, ids, state["offset"].get(idx, 0),
-                                                       req.logprobs, token_text)
+            lp = _logprobs_block(entries, ids, state["offset"].setdefault(idx, _TextOffset()),
+                                 req.logprobs, token_text)
         return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 

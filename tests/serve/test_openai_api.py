@@ -106,8 +106,9 @@ def test_completions_stream_n2_two_prompts_logprobs(server):
     for idx in range(4):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == idx]
         assert sum(c["finish_reason"] is not None for c in mine) == 1 and mine[-1]["finish_reason"] == "length"
-        offsets = [o for c in mine for o in c["logprobs"]["text_offset"]]
-        tokens = [t for c in mine for t in c["logprobs"]["tokens"]]
+        assert mine[-1]["logprobs"] is None and mine[-1]["text"] == ""  # the finish chunk: no token
+        offsets = [o for c in mine[:-1] for o in c["logprobs"]["text_offset"]]
+        tokens = [t for c in mine[:-1] for t in c["logprobs"]["tokens"]]
         assert len(tokens) == 6
         assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(6)]  # carried across chunks
         assert "".join(tokens) == "".join(c["text"] for c in mine)
