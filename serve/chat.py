@@ -73,7 +73,7 @@ def _logprob_content(entries, token_ids, k: int) -> list[dict]:
 
 async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext, raw):
     ctx.check_model(req.model)
-    check_unsupported(req, add_special_tokens=False)
+    check_unsupported(req, chat=True)
     tok = ctx.engine.get_tokenizer()
     prompt = render_chat(tok, req)
     k = (req.top_logprobs or 0) if req.logprobs else None

@@ -18,16 +18,16 @@ from serve.protocol import CompletionRequest
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
 
 
-def _prompts(req: CompletionRequest) -> list:
-    p = req.prompt
-    if isinstance(p, str):
-        return [p]
+def _prompts(req: CompletionRequest, tokenizer) -> list:
+    p = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if not p:
         raise APIError("prompt must not be empty", 400, "prompt")
     if isinstance(p[0], int):
         return [{"prompt_token_ids": list(p)}]
     if isinstance(p[0], list):
         return [{"prompt_token_ids": list(x)} for x in p]
+    if not req.add_special_tokens:  # as vLLM: no BOS (or other special tokens) added
+        return [{"prompt": x, "prompt_token_ids": tokenizer.encode(x, add_special_tokens=False)} for x in p]
     return list(p)
 
 
@@ -70,12 +70,12 @@ def _logprobs_block(entries, token_ids, offset: _TextOffset, k: int | None, toke
 
 async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     ctx.check_model(req.model)
-    check_unsupported(req, add_special_tokens=True)
+    check_unsupported(req)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(f"best_of must equal n ({req.n}), got {req.best_of}", 400, "best_of")
-    prompts = _prompts(req)
+    prompts = _prompts(req, ctx.engine.get_tokenizer())
     try:
         params = req.sampling_params(req.max_tokens, req.logprobs,
                                      req.logprobs if req.echo and req.logprobs is not None else None)

@@ -94,6 +94,7 @@ Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
     prompt: Prompt
+    add_special_tokens: bool = True
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
@@ -109,17 +110,15 @@ class TextPart(_Base):
 
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, list[TextPart], None] = None
+    # Parts are checked by jaxkv.chat_utils, whose errors name the part (messages[0].content[1]).
+    content: Union[StrictStr, list[dict], None] = None
     name: str | None = None
     tool_calls: list | None = None
 
     def as_dict(self) -> dict:
         """The message as jaxkv.chat_utils takes it (content None stays None: it is refused
         there with the field named)."""
-        content = self.content
-        if isinstance(content, list):
-            content = [{"type": p.type, "text": p.text} for p in content]
-        return {"role": self.role, "content": content, "name": self.name}
+        return {"role": self.role, "content": self.content, "name": self.name}
 
 
 class ChatCompletionRequest(_Sampling):

@@ -90,10 +90,10 @@ class RequestBatch:
             self.engine.abort(left)
 
 
-def check_unsupported(req, add_special_tokens: bool) -> None:
-    """400 for request fields jaxkv does not implement (protocol.UNSUPPORTED, logit_bias, an
-    add_special_tokens other than the route's own), rather than silently ignoring them; other
-    unknown fields are ignored with a warning, as vLLM does."""
+def check_unsupported(req, chat: bool = False) -> None:
+    """400 for request fields jaxkv does not implement (protocol.UNSUPPORTED, logit_bias,
+    add_special_tokens=true on chat: its template writes every special token), rather than
+    silently ignoring them; other unknown fields are ignored with a warning, as vLLM does."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", 400, "logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -102,9 +102,9 @@ def check_unsupported(req, add_special_tokens: bool) -> None:
     for name, value in extra.items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
             raise APIError(f"{name} is not supported by jaxkv (got {value!r})"[:300], 400, name)
-    if extra.get("add_special_tokens", add_special_tokens) != add_special_tokens:
-        raise APIError(f"add_special_tokens={extra['add_special_tokens']!r} is not supported on this "
-                       f"route (it always uses {add_special_tokens})", 400, "add_special_tokens")
+    if chat and extra.get("add_special_tokens", False) is not False:
+        raise APIError("add_special_tokens=true is not supported on chat completions (the chat "
+                       "template writes the special tokens)", 400, "add_special_tokens")
     ignored = sorted(set(extra) - set(UNSUPPORTED) - {"add_special_tokens"})
     if ignored:
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
