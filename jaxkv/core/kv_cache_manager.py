@@ -12,12 +12,8 @@ never written is ever served from the prefix cache. `commit_step` keeps them onc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .block_pool import BlockPool, hash_block_tokens
-
-if TYPE_CHECKING:
-    from ..engine.request import Request
+from .request import Request
 
 
 def cdiv(a: int, b: int) -> int:

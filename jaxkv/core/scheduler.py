@@ -21,7 +21,7 @@ from collections import deque
 
 from .kv_cache_manager import KVCacheManager
 from .scheduler_output import ScheduledRequest, SchedulerOutput
-from ..engine.request import Request, RequestStatus
+from .request import Request, RequestStatus
 
 
 class Scheduler:

@@ -1,17 +1,8 @@
 """Engine layer: LLMEngine (add_request / step / abort_request) and AsyncLLM (the engine on its
-own thread, with async output streams).
+own thread, with async output streams). Neither imports JAX at import time: the runner is built
+(and JAX imported) by LLMEngine.from_engine_args."""
 
-Imported lazily so that host bookkeeping (jaxkv.core, jaxkv.engine.request) stays free of JAX.
-"""
+from jaxkv.engine.async_llm import AsyncLLM
+from jaxkv.engine.llm_engine import LLMEngine
 
 __all__ = ["AsyncLLM", "LLMEngine"]
-
-
-def __getattr__(name):
-    if name == "LLMEngine":
-        from jaxkv.engine.llm_engine import LLMEngine
-        return LLMEngine
-    if name == "AsyncLLM":
-        from jaxkv.engine.async_llm import AsyncLLM
-        return AsyncLLM
-    raise AttributeError(name)

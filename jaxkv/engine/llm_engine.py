@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxkv.config import EngineArgs
 from jaxkv.engine.output_processor import OutputProcessor
-from jaxkv.engine.request import Request, RequestStatus
+from jaxkv.core.request import Request, RequestStatus
 from jaxkv.engine.stats import EngineStats
 from jaxkv.outputs import RequestOutput
 from jaxkv.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxkv.engine.detokenizer import IncrementalDetokenizer, detokenize_token
-from jaxkv.engine.request import Request, RequestStatus
+from jaxkv.core.request import Request, RequestStatus
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxkv.sampling_params import RequestOutputKind
 

@@ -6,7 +6,7 @@ import pytest
 
 from jaxkv.core.block_pool import BlockPool
 from jaxkv.core.kv_cache_manager import KVCacheManager
-from jaxkv.engine.request import Request
+from jaxkv.core.request import Request
 from jaxkv.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
-from jaxkv.engine.request import Request, RequestStatus
+from jaxkv.core.request import Request, RequestStatus
 from jaxkv.sampling_params import SamplingParams
 
 
