@@ -81,7 +81,7 @@ def main():
         run, copied, ctx, bucket = decode_step(llm)
         run()  # first call of this program in the process
         engines[name] = {"llm": llm, "run": run, "copied": copied,
-                         "blocks": llm.llm_engine.kv_budget.num_blocks, "times": []}
+                         "blocks": llm.llm_engine.config.cache.num_blocks, "times": []}
         print(f"{name} pool: {size // MIB} MiB, {engines[name]['blocks']} blocks, ready in "
               f"{time.perf_counter() - t0:.1f} s")
     print(f"decode step: {BATCH} sequences, {ctx} context tokens, token bucket {bucket}; "

@@ -17,17 +17,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragg
 from pallas_kernels.reference import ragged_metadata, ragged_paged_attention_reference
 from pallas_kernels.validation import next_pow2
 
-from jaxkv.config import ATTENTION_BACKENDS as BACKENDS
-
-
-def resolve_backend(name: str, platform: str) -> str:
-    """auto -> "pallas" on GPU, "xla" elsewhere; "pallas" and "xla" stay as asked (pallas off
-    a GPU runs in interpret mode). ValueError for an unknown name."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        return "pallas" if platform == "gpu" else "xla"
-    return name
+from jaxkv.engine_config import resolve_backend  # noqa: F401 - the engine's choice, re-exported
 
 
 def pallas_interpret() -> bool:

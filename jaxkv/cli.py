@@ -69,30 +69,25 @@ def cmd_generate(ns) -> int:
 
 
 def cmd_plan(ns) -> int:
-    from jaxkv.core.kv_budget import plan_kv_cache
-    from jaxkv.loader.source import read_config
-    from jaxkv.models.model_config import ModelConfig
+    import jax
 
-    engine_args_from(ns)  # validates the flags as the engine would
-    mc = ModelConfig.from_hf_config(read_config(ns.model))
-    max_len = ns.max_model_len or mc.max_position_embeddings
-    if max_len > mc.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_len} exceeds the model's maximum ({mc.max_position_embeddings})")
-    dtype_bytes = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[ns.dtype]
-    b = plan_kv_cache(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                      dtype_bytes=dtype_bytes, block_size=ns.block_size, max_model_len=max_len,
-                      num_gpu_blocks_override=ns.num_gpu_blocks_override,
-                      kv_cache_memory_bytes=ns.kv_cache_memory_bytes)
+    # The engine's own resolver, for this machine's platform: what `serve` would allocate.
+    platform = jax.default_backend()
+    from jaxkv.engine.setup import device_memory_bytes
+    config = engine_args_from(ns).create_engine_config(platform=platform,
+                                                       device_memory_bytes=device_memory_bytes(platform))
+    mc, b, dtype = config.model_config, config.cache.budget, config.runner.dtype
     if ns.json:
         print(json.dumps({"bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
                           "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4)}))
     else:
+        from jaxkv.engine_config import DTYPE_BYTES
         print(f"model: {ns.model or 'SmolLM2-135M-Instruct (embedded)'} ({mc.num_layers} layers, "
-              f"{mc.num_kv_heads} KV heads x {mc.head_dim}, {'float32' if dtype_bytes == 4 else 'bf16'})")
+              f"{mc.num_kv_heads} KV heads x {mc.head_dim}, {dtype} on {platform})")
         print(f"bytes per token: {b.bytes_per_token:,}  (2 x {mc.num_layers} x {mc.num_kv_heads} x "
-              f"{mc.head_dim} x {dtype_bytes})")
+              f"{mc.head_dim} x {DTYPE_BYTES[dtype]})")
         print(f"blocks: {b.num_blocks:,} of {b.block_size} tokens = {b.num_tokens:,} tokens")
-        print(f"max concurrency at {max_len:,} tokens per request: {b.max_concurrency:.2f}")
+        print(f"max concurrency at {config.max_model_len:,} tokens per request: {b.max_concurrency:.2f}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """EngineArgs: every engine knob, with vLLM's names, validated once where it enters.
 
-Nothing below the engine reads the CLI or the environment; the engine derives its frozen
-configs from these fields.
+Nothing below the engine reads the CLI or the environment. EngineArgs only validates what it
+is given and never rewrites it; `create_engine_config` resolves the defaults (for the platform
+and the model) into a frozen EngineConfig that the scheduler, runner and engine read.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from jaxkv.core.kv_budget import parse_bytes
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
-GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's usual default for online serving
 
 
 def check_batched_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> None:
@@ -80,10 +79,8 @@ class EngineArgs:
         pos_int("num_gpu_blocks_override", True)
         if self.max_num_batched_tokens is not None:
             check_batched_tokens(self.max_num_batched_tokens, self.max_num_seqs)
-        if self.kv_cache_memory_bytes is not None:
-            self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
-            if self.kv_cache_memory_bytes <= 0:
-                bad("kv_cache_memory_bytes", "must be positive")
+        if self.kv_cache_memory_bytes is not None and parse_bytes(self.kv_cache_memory_bytes) <= 0:
+            bad("kv_cache_memory_bytes", "must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.load_format not in LOAD_FORMATS:
@@ -99,7 +96,13 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             bad("tensor_parallel_size", "is reserved: only 1 is supported yet")
         if self.token_buckets is not None:
-            b = tuple(sorted(set(int(x) for x in self.token_buckets)))
+            b = sorted(set(int(x) for x in self.token_buckets))
             if not b or b[0] < 1:
                 bad("token_buckets", "must be a non-empty list of positive integers")
-            self.token_buckets = b
+
+    def create_engine_config(self, *, platform: str, model_config=None,
+                             device_memory_bytes: int | None = None):
+        """Every value resolved once, frozen (jaxkv.engine_config.create_engine_config)."""
+        from jaxkv.engine_config import create_engine_config
+        return create_engine_config(self, platform=platform, model_config=model_config,
+                                    device_memory_bytes=device_memory_bytes)

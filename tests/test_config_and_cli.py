@@ -52,3 +52,38 @@ def test_plan_json_and_one_line_errors():
         r = run_cli(*bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr
+
+
+def test_engine_config_is_resolved_once_per_platform_and_frozen():
+    import dataclasses
+
+    from jaxkv.config import EngineArgs
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+
+    mc = ModelConfig.from_hf_config(read_config(None))
+    args = EngineArgs(kv_cache_memory_bytes="1GiB", max_model_len=2048)
+    cpu = args.create_engine_config(platform="cpu", model_config=mc)
+    gpu = args.create_engine_config(platform="gpu", model_config=mc)
+    assert args.kv_cache_memory_bytes == "1GiB" and args.max_num_batched_tokens is None  # untouched
+    assert (cpu.runner.dtype, gpu.runner.dtype) == ("float32", "bfloat16")
+    assert (cpu.runner.attention_backend, gpu.runner.attention_backend) == ("xla", "pallas")
+    assert (cpu.scheduler.max_num_batched_tokens, gpu.scheduler.max_num_batched_tokens) == (512, 8192)
+    assert cpu.runner.token_buckets == (1, 8, 64, 512)
+    assert gpu.cache.budget.bytes_per_token * 2 == cpu.cache.budget.bytes_per_token == 46080
+    assert gpu.cache.num_blocks == 2 * cpu.cache.num_blocks  # same bytes, half the size per token
+    # gpu_memory_utilization: 90% of the device minus the weights (bf16) becomes KV blocks.
+    util = EngineArgs(max_model_len=2048).create_engine_config(
+        platform="gpu", model_config=mc, device_memory_bytes=10 << 30)
+    free = int(0.9 * (10 << 30)) - 2 * mc.num_params()
+    assert util.cache.num_blocks == free // (23040 * 16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cpu.scheduler.max_num_seqs = 3
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineArgs(max_num_seqs=1024).create_engine_config(platform="cpu", model_config=mc)
+
+
+def test_num_params_counts_the_loaded_weights(llm):
+    import jax
+    params = llm.llm_engine.runner.params
+    assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == llm.llm_engine.model_config.num_params()

@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
 from .scheduler_output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxkv.engine_config import SchedulerConfig
 from .request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
         self.kv = kv
+        self.config = config
         self.block_size = kv.block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

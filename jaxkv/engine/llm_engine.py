@@ -3,13 +3,13 @@ the model runner (device) and the output processor (text, stop checks, outputs).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
 import numpy as np
 
 from jaxkv.config import EngineArgs
+from jaxkv.engine_config import EngineConfig
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.engine.stats import EngineStats
@@ -27,19 +27,18 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 class LLMEngine:
     """Build with `LLMEngine.from_engine_args(EngineArgs(...))` (see jaxkv.engine.setup)."""
 
-    def __init__(self, args: EngineArgs, model_config, tokenizer, scheduler, runner, kv_budget,
-                 max_model_len: int):
-        self.args = args
-        self.model_config = model_config
+    def __init__(self, config: EngineConfig, tokenizer, scheduler, runner):
+        """config: the resolved EngineConfig; scheduler: a Scheduler over the KV cache manager;
+        runner: a ModelRunner (or anything with its execute / recover_kv_cache)."""
+        self.config = config
+        self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.runner = runner
-        self.kv_budget = kv_budget
-        self.max_model_len = max_model_len
-        self.output_processor = OutputProcessor(tokenizer, max_model_len)
-        self.eos_token_ids = tuple(model_config.eos_token_ids)
-        self._seed_rng = np.random.default_rng(args.seed)
-        self._ids = itertools.count()
+        self.max_model_len = config.max_model_len
+        self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self._seed_rng = np.random.default_rng(config.seed)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -89,8 +88,9 @@ class LLMEngine:
         params.top_k = min(params.top_k, vocab)  # as vLLM: top_k above the vocabulary keeps all
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
-            if v is not None and v > self.args.max_logprobs:
-                raise ValueError(f"{name}: requested {v}, more than max_logprobs={self.args.max_logprobs}")
+            max_logprobs = self.config.runner.max_logprobs
+            if v is not None and v > max_logprobs:
+                raise ValueError(f"{name}: requested {v}, more than max_logprobs={max_logprobs}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt length ({len(ids)} tokens) must be shorter than max_model_len "
                              f"({self.max_model_len}) to leave room for at least one new token")

@@ -76,3 +76,13 @@ class ModelConfig:
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             rope_scaling=tuple(sorted(rs.items())) if rs else None,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, sliding_window=window)
+
+    def num_params(self) -> int:
+        """Parameters of the checkpoint (Llama family: embeddings, attention with optional
+        biases and q/k norms, gated MLP, RMSNorms, LM head unless tied)."""
+        h, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h + (2 * hd if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_layers * layer + h

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.engine_config import EngineConfig
 from jaxkv.models.llama import AttnMetadata, LlamaModel
 from jaxkv.runner import sampler as smp
 from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
@@ -37,19 +38,20 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, params, *, num_blocks: int, block_size: int,
-                 max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
-                 max_logprobs: int, enforce_eager: bool = False):
-        c = model.cfg
+    def __init__(self, model: LlamaModel, params, config: EngineConfig):
+        """model/params: the Flax model and its weights; config: the engine's resolved record
+        (pool size, buckets, max_model_len, max_num_seqs, max_logprobs, enforce_eager)."""
+        rc, cc = config.runner, config.cache
+        self.config = config
         self.model, self.params = model, params
-        self.block_size, self.max_model_len = block_size, max_model_len
-        self.max_num_seqs, self.token_buckets = max_num_seqs, tuple(token_buckets)
-        self.max_blocks = -(-max_model_len // block_size)
-        self.max_logprobs = max_logprobs
-        self.vocab_size = c.vocab_size
-        self.num_blocks = num_blocks
+        self.block_size, self.max_model_len = cc.block_size, config.max_model_len
+        self.max_num_seqs, self.token_buckets = config.scheduler.max_num_seqs, rc.token_buckets
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.max_logprobs = rc.max_logprobs
+        self.vocab_size = model.cfg.vocab_size
+        self.num_blocks = cc.num_blocks
         self.kv_cache = self._new_kv_cache()
-        self.enforce_eager = enforce_eager
+        self.enforce_eager = enforce_eager = rc.enforce_eager
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         self._step_jit = jit(self._forward, donate_argnums=(1,))
         self._step_exe: dict[int, object] = {}  # token bucket -> compiled step (AOT)

@@ -9,6 +9,7 @@ import pytest
 
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
+from jaxkv.engine_config import SchedulerConfig
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.sampling_params import SamplingParams
 
@@ -16,7 +17,7 @@ from jaxkv.sampling_params import SamplingParams
 def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, caching)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=budget)
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64))
     groups = {}
     for g in range(6):
         p, mt, n = rng.randint(3, 20), rng.randint(1, 8), rng.choice([1, 1, 2, 3])
@@ -61,7 +62,7 @@ def test_fuzz_no_stall_no_leak(caching, abort_p):
 
 def test_budget_chunks_prefill_and_decodes_go_first():
     kv = KVCacheManager(64, 4)
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=10)
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=128))
     a = Request("a", list(range(25)), SamplingParams(max_tokens=3), None, 0)
     sched.add_request(a)
     out = sched.schedule()

@@ -14,7 +14,6 @@ every block is free at the end. No JAX.
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,10 +21,13 @@ from jaxkv.config import EngineArgs
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
 from jaxkv.engine.llm_engine import LLMEngine
+from jaxkv.models.model_config import ModelConfig
 from jaxkv.runner.model_runner import RunnerOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 V, EOS, BS, MAX_LEN = 40, 39, 4, 64
+FAKE_MODEL = dict(architectures=["LlamaForCausalLM"], hidden_size=8, intermediate_size=16,
+                  num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=MAX_LEN)
 
 
 class InjectedFailure(Exception):
@@ -111,12 +113,15 @@ class FakeRunner:
 
 
 def make_engine(rng, num_blocks, budget, max_num_seqs, caching, fail_p):
+    mc = ModelConfig.from_hf_config(dict(FAKE_MODEL, vocab_size=V, eos_token_id=EOS))
+    args = EngineArgs(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=BS,
+                      num_gpu_blocks_override=num_blocks, max_model_len=MAX_LEN,
+                      enable_prefix_caching=caching)
+    config = args.create_engine_config(platform="cpu", model_config=mc)
     kv = KVCacheManager(num_blocks, BS, caching)
-    sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    sched = Scheduler(kv, config.scheduler)
     runner = FakeRunner(rng, fail_p)
-    mc = SimpleNamespace(eos_token_ids=(EOS,), vocab_size=V)
-    engine = LLMEngine(EngineArgs(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), mc,
-                       FakeTokenizer(), sched, runner, None, MAX_LEN)
+    engine = LLMEngine(config, FakeTokenizer(), sched, runner)
     runner.engine = engine
     return engine
 

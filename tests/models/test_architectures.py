@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from jaxkv.config import EngineArgs
 from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxkv.loader.gguf import embedded_model_path
 from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
@@ -84,8 +85,10 @@ def test_logits_match_transformers(arch):
     mc = ModelConfig.from_hf_config(ckpt.config)
     model = LlamaModel(mc)
     params = params_from_tensors(model, ckpt.tensors)
-    runner = ModelRunner(model, params, num_blocks=64, block_size=BLOCK, max_model_len=128,
-                         max_num_seqs=4, token_buckets=(8, 32, 64), max_logprobs=0)
+    config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
+                        max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
+                        max_logprobs=0).create_engine_config(platform="cpu", model_config=mc)
+    runner = ModelRunner(model, params, config)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, COMMON["vocab_size"], 41).tolist()
     with torch.no_grad():

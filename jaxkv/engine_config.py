@@ -1,0 +1,134 @@
+"""EngineConfig: every value the engine runs with, resolved once from EngineArgs and frozen.
+
+`create_engine_config` (also `EngineArgs.create_engine_config`, vLLM's name) is the one place
+where defaults meet the platform and the model: max_model_len from the model, the dtype and
+attention backend for the platform, the token budget and its buckets, and the number of KV
+blocks. The scheduler, the runner, the engine and `jaxkv plan` all read the same record, so
+`jaxkv plan` reports what `jaxkv serve` would allocate. Plain Python: no JAX import here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxkv.core.kv_budget import KVBudget, parse_bytes, plan_kv_cache
+from jaxkv.models.model_config import ModelConfig
+
+CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
+GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's usual default for online serving
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int              # tokens per block
+    num_blocks: int              # blocks in the pool, the null block included
+    enable_prefix_caching: bool
+    budget: KVBudget             # the sizing behind num_blocks (bytes per token, concurrency)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int  # token budget of one step
+    max_model_len: int           # prompt + output tokens of one request
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    dtype: str                   # "float32" | "bfloat16" | "float16" (resolved from "auto")
+    attention_backend: str       # "xla" | "pallas" (resolved from "auto")
+    token_buckets: tuple[int, ...]  # padded token counts of a step, ascending; last >= budget
+    max_logprobs: int
+    enforce_eager: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None            # None = the embedded SmolLM2-135M-Instruct
+    load_format: str
+    seed: int
+    platform: str                # jax.default_backend() of the engine: "cpu" | "gpu" | ...
+    model_config: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    runner: RunnerConfig
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+
+def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of 8 below the budget, then the budget: (1, 8, 64, 512) for 512 tokens.
+
+    Each bucket is one compiled program of ~8 s on the 2-core CPU (30 unrolled layers), and
+    the start-up warmup must stay under a minute, so the list is short. It still fits the
+    common steps: 1 is a lone decode (bound by reading the weights, so padding it to 8 rows
+    would cost ~1.5x), 8 and 64 are decode batches (64 = max_num_seqs), and steps that carry
+    a prefill chunk fill the whole budget anyway.
+    """
+    out, b = [], 1
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= 8
+    out.append(max_num_batched_tokens)
+    return tuple(out)
+
+
+def resolve_backend(name: str, platform: str) -> str:
+    """auto -> "pallas" on GPU, "xla" elsewhere; "pallas" and "xla" stay as asked (pallas off
+    a GPU runs in interpret mode). ValueError for an unknown name."""
+    from jaxkv.config import ATTENTION_BACKENDS
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "pallas" if platform == "gpu" else "xla"
+    return name
+
+
+def create_engine_config(args, *, platform: str, model_config: ModelConfig | None = None,
+                         device_memory_bytes: int | None = None) -> EngineConfig:
+    """Resolve `args` (EngineArgs) for `platform` and the model.
+
+    model_config: the checkpoint's ModelConfig (read from args.model when None).
+    device_memory_bytes: the accelerator's memory, for gpu_memory_utilization sizing (the
+    weights' share is the model's parameter count x dtype bytes). Raises ValueError naming the
+    field for values that contradict the model or each other.
+    """
+    if model_config is None:
+        from jaxkv.loader.source import read_config
+        model_config = ModelConfig.from_hf_config(read_config(args.model))
+    mc = model_config
+    limit = mc.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
+        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's maximum "
+                         f"({limit} positions)")
+    max_model_len = args.max_model_len or limit
+    if mc.sliding_window is not None and mc.sliding_window < max_model_len:
+        raise ValueError(f"the model uses a sliding window of {mc.sliding_window} tokens, which jaxkv "
+                         f"does not implement; set max_model_len <= {mc.sliding_window}")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if platform == "gpu" else "float32")
+    mnbt = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if platform == "gpu"
+                                           else CPU_MAX_NUM_BATCHED_TOKENS)
+    if mnbt < args.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({mnbt}) must be greater than or equal to "
+                         f"max_num_seqs ({args.max_num_seqs})")
+    buckets = (tuple(sorted(set(int(x) for x in args.token_buckets))) if args.token_buckets
+               else default_token_buckets(mnbt))
+    if buckets[-1] < mnbt:
+        raise ValueError(f"token_buckets {buckets} must reach max_num_batched_tokens={mnbt}")
+    kv_bytes = None if args.kv_cache_memory_bytes is None else parse_bytes(args.kv_cache_memory_bytes)
+    budget = plan_kv_cache(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        dtype_bytes=DTYPE_BYTES[dtype], block_size=args.block_size, max_model_len=max_model_len,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_memory_bytes=kv_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory_bytes,
+        used_memory_bytes=mc.num_params() * DTYPE_BYTES[dtype])
+    return EngineConfig(
+        model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
+        model_config=mc,
+        cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget),
+        scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
+        runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
+                            args.max_logprobs, args.enforce_eager))
