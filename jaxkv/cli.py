@@ -1,4 +1,7 @@
-"""`jaxkv generate | plan | serve`. Engine flags are spelled as vLLM's.
+"""`jaxkv generate | plan | serve`. Engine flags are spelled as vLLM's and generated from the
+EngineArgs fields (EngineArgs.add_cli_args), so a new engine argument reaches every command by
+being declared once. `serve` comes from the serve package through the entry-point group
+"jaxkv.commands": jaxkv never imports the server.
 
 Bad flags give a one-line error (exit status 2), never a traceback.
 """
@@ -9,40 +12,17 @@ import argparse
 import json
 import sys
 
-from jaxkv.core.kv_budget import parse_bytes
+from importlib.metadata import entry_points
+
+from jaxkv.config import EngineArgs
+
+# Subcommands that live above the engine (the HTTP server) register here as entry points
+# (pyproject.toml), so jaxkv itself never imports them: name -> "module:add_parser(subparsers)".
+COMMAND_GROUP = "jaxkv.commands"
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The EngineArgs flags, with vLLM's spelling."""
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face model folder "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
-                   help="KV cache budget in bytes; also accepts 1GiB, 512MiB")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-
-
-ENGINE_FLAGS = ("model", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                "kv_cache_memory_bytes", "num_gpu_blocks_override", "gpu_memory_utilization",
-                "enable_prefix_caching", "enforce_eager", "dtype", "load_format",
-                "attention_backend", "max_logprobs", "seed")
-
-
-def engine_args_from(ns):
-    from jaxkv.config import EngineArgs
-    return EngineArgs(**{k: getattr(ns, k) for k in ENGINE_FLAGS})
+def engine_args_from(ns) -> EngineArgs:
+    return EngineArgs.from_cli_args(ns)
 
 
 def cmd_generate(ns) -> int:
@@ -105,14 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    add_engine_flags(g)
+    EngineArgs.add_cli_args(g)
     g.set_defaults(func=cmd_generate)
     pl = sub.add_parser("plan", help="KV cache arithmetic for a model, without loading weights")
-    add_engine_flags(pl)
+    EngineArgs.add_cli_args(pl)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
-    from serve.server import add_serve_parser
-    add_serve_parser(sub)
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        ep.load()(sub)  # e.g. `serve` from the serve package
     return p
 
 

@@ -7,13 +7,24 @@ and the model) into a frozen EngineConfig that the scheduler, runner and engine 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
 
 from jaxkv.core.kv_budget import parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
 
 
 def check_batched_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> None:
@@ -23,39 +34,45 @@ def check_batched_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> None
                          f"or equal to max_num_seqs ({max_num_seqs})")
 
 
+def _arg(default, help: str, **cli):
+    """A field with its CLI help (and argparse extras: choices, type, metavar)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineArgs:
-    """Engine arguments (names and meanings as vLLM's EngineArgs).
-
-    model: None = the embedded SmolLM2-135M-Instruct GGUF; a .gguf file; or a Hugging Face
-    model folder (config.json + *.safetensors + tokenizer files).
-    max_model_len: None = the model's max_position_embeddings.
-    max_num_batched_tokens: None = 512 on CPU, 8192 on GPU (token budget per step).
-    kv_cache_memory_bytes: int or a string such as "1GiB"; sizing precedence is
-    num_gpu_blocks_override, then kv_cache_memory_bytes, then gpu_memory_utilization (GPU), and
-    exactly 1 GiB on CPU.
-    token_buckets: padding sizes for the number of tokens in a step (None = powers of 8 below
-    max_num_batched_tokens, then the budget: 1, 8, 64, 512); tests pass short lists.
-    swap_space, tensor_parallel_size: reserved (only the defaults are supported).
-    """
-    model: str | None = None
-    dtype: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    kv_cache_memory_bytes: int | str | None = None
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    load_format: str = "auto"
-    attention_backend: str = "auto"
-    max_logprobs: int = 20
-    seed: int = 0
-    swap_space: float = 0
-    tensor_parallel_size: int = 1
-    token_buckets: tuple[int, ...] | None = None
+    """Engine arguments (names and meanings as vLLM's EngineArgs). Each field's metadata holds
+    its CLI help, so `add_cli_args` gives `jaxkv generate`, `plan` and `serve` every field as
+    `--field-name` (booleans also as `--no-field-name`) from this one declaration."""
+    model: str | None = _arg(None, "a .gguf file or a Hugging Face model folder (config.json + "
+                             "*.safetensors + tokenizer files); default: the embedded "
+                             "SmolLM2-135M-Instruct GGUF")
+    dtype: str = _arg("auto", "weights and KV dtype; auto = bfloat16 on a GPU, float32 elsewhere",
+                      choices=DTYPES)
+    block_size: int = _arg(16, "tokens per KV block (a power of two)")
+    max_model_len: int | None = _arg(None, "prompt + output tokens of one request; default: the "
+                                     "model's max_position_embeddings")
+    max_num_seqs: int = _arg(64, "most sequences in one step")
+    max_num_batched_tokens: int | None = _arg(None, "token budget of one step; default: 512 on a "
+                                              "CPU, 8192 on a GPU")
+    kv_cache_memory_bytes: int | str | None = _arg(
+        None, "KV cache budget in bytes; also accepts 1GiB, 512MiB (precedence: "
+        "num_gpu_blocks_override, then this, then gpu_memory_utilization on a GPU; 1 GiB on a CPU)",
+        type=parse_bytes)
+    num_gpu_blocks_override: int | None = _arg(None, "number of KV blocks, overriding the budget")
+    gpu_memory_utilization: float = _arg(0.9, "share of GPU memory for weights + KV cache")
+    enable_prefix_caching: bool = _arg(True, "share full KV blocks between requests by hash")
+    enforce_eager: bool = _arg(False, "run without jit (debugging; very slow)")
+    load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
+    attention_backend: str = _arg("auto", "auto = pallas on a GPU, xla elsewhere",
+                                  choices=ATTENTION_BACKENDS)
+    max_logprobs: int = _arg(20, "most logprobs a request may ask for")
+    seed: int = _arg(0, "engine seed: unseeded requests draw their seeds from it")
+    swap_space: float = _arg(0, "reserved: host-memory swap is not implemented yet (0)")
+    tensor_parallel_size: int = _arg(1, "reserved: only 1 is supported yet")
+    token_buckets: tuple[int, ...] | None = _arg(
+        None, "padded token counts of a step, e.g. 8,64,256 (default: powers of 8 below "
+        "max_num_batched_tokens, then the budget)", type=_int_list, metavar="N,N,...")
 
     def __post_init__(self):
         def bad(name, rule):
@@ -106,3 +123,33 @@ class EngineArgs:
         from jaxkv.engine_config import create_engine_config
         return create_engine_config(self, platform=platform, model_config=model_config,
                                     device_memory_bytes=device_memory_bytes)
+
+    # ---- the command line (vLLM's add_cli_args / from_cli_args) -----------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one flag per field: --field-name (type, default, choices and help from the
+        field); booleans as --field-name / --no-field-name."""
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f"{meta.pop('help')} (default: {f.default})"
+            if hints[f.name] is bool:
+                parser.add_argument(flag, dest=f.name, default=f.default, help=help_,
+                                    action=argparse.BooleanOptionalAction)
+                continue
+            meta.setdefault("type", _scalar_type(hints[f.name]))
+            parser.add_argument(flag, dest=f.name, default=f.default, help=help_, **meta)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        """EngineArgs from a namespace parsed with add_cli_args (ValueError on bad values)."""
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _scalar_type(hint):
+    """int | None -> int; str | None -> str; float -> float."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(
+        hint, types.UnionType) or typing.get_origin(hint) is typing.Union else [hint]
+    return args[0]

@@ -8,6 +8,7 @@ import logging
 from jaxkv.chat_utils import render_chat
 from jaxkv.config import EngineArgs
 from jaxkv.engine.llm_engine import LLMEngine
+from jaxkv.logger import setup_logging
 from jaxkv.outputs import RequestOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
@@ -19,7 +20,7 @@ class LLM:
     names); ValueError names a bad field."""
 
     def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None, **kwargs):
-        _setup_logging()
+        setup_logging()
         args = engine_args if engine_args is not None else EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
@@ -105,12 +106,3 @@ class LLM:
             if left:
                 engine.abort_request(left)
         return [results[r] for r in ids]
-
-
-def _setup_logging():
-    log = logging.getLogger("jaxkv")
-    if not log.handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%H:%M:%S"))
-        log.addHandler(h)
-        log.setLevel(logging.INFO)

@@ -24,9 +24,9 @@ def served_model_name(model: str | None, override: str | None) -> str:
 def run_server(ns) -> int:
     import uvicorn
 
-    from jaxkv.cli import engine_args_from
+    from jaxkv.config import EngineArgs
     from jaxkv.engine.async_llm import AsyncLLM
-    from jaxkv.llm import _setup_logging
+    from jaxkv.logger import setup_logging
     from jaxkv.loader.source import read_config
     from serve.app import build_app
     from serve.context import ServerContext
@@ -37,9 +37,9 @@ def run_server(ns) -> int:
     ns.model = ns.model_tag if ns.model_tag is not None else ns.model
     if ns.port is not None and not 0 <= ns.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-    args = engine_args_from(ns)  # validates every engine flag
+    args = EngineArgs.from_cli_args(ns)  # validates every engine flag
     read_config(args.model)      # a missing or unreadable model fails here, in one line
-    _setup_logging()
+    setup_logging()
     from prometheus_client import disable_created_metrics
     disable_created_metrics()  # as vLLM: no *_created series
 
@@ -80,7 +80,7 @@ def run_server(ns) -> int:
 
 
 def add_serve_parser(sub) -> None:
-    from jaxkv.cli import add_engine_flags
+    from jaxkv.config import EngineArgs
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or a Hugging Face model folder (default: the embedded model)")
@@ -92,5 +92,5 @@ def add_serve_parser(sub) -> None:
                    help="the model name clients send (default: SmolLM2-135M-Instruct or MODEL)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
-    add_engine_flags(s)
+    EngineArgs.add_cli_args(s)
     s.set_defaults(func=run_server)

@@ -87,3 +87,25 @@ def test_num_params_counts_the_loaded_weights(llm):
     import jax
     params = llm.llm_engine.runner.params
     assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == llm.llm_engine.model_config.num_params()
+
+
+def test_every_engine_argument_is_a_flag_of_every_command():
+    import argparse
+    import dataclasses
+
+    from jaxkv.cli import build_parser
+    from jaxkv.config import _arg
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for name in ("generate", "plan", "serve"):
+        dests = {a.dest for a in sub.choices[name]._actions}
+        assert fields <= dests, (name, fields - dests)
+    # A field declared once becomes a flag, with its default and help, without other changes.
+    NewArgs = dataclasses.make_dataclass(
+        "NewArgs", [("new_knob", int, _arg(3, "a knob added later"))], bases=(EngineArgs,))
+    p = NewArgs.add_cli_args(argparse.ArgumentParser())
+    assert "a knob added later" in p.format_help()
+    ns = p.parse_args(["--new-knob", "5", "--no-enable-prefix-caching"])
+    args = NewArgs.from_cli_args(ns)
+    assert args.new_knob == 5 and args.enable_prefix_caching is False
