@@ -7,7 +7,7 @@ prefill, mixed prefill+decode steps, prefix hits, decode and resumption after pr
 follow from that. When blocks run out the newest running request is preempted by recompute
 (blocks freed, tokens kept, requeued at the front of the waiting queue).
 
-A step is committed by `advance` once the runner has run it. If it never runs (the runner
+A step is committed by `update_from_output` once the runner has run it. If it never runs (the runner
 raised, Ctrl-C), `undo_step` puts back what scheduling it changed: the hashes it registered
 are forgotten and its requests are requeued to recompute what the step would have computed,
 exactly as after a preemption; blocks computed by earlier steps keep their hashes. If the
@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
-from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxkv.engine_config import SchedulerConfig
@@ -69,7 +69,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts; allocates their slots. The step
-        stays undoable (undo_step) until advance() commits it."""
+        stays undoable (undo_step) until update_from_output() commits it."""
         self.kv.begin_step()
         self._step_journal = []
         budget = self.max_num_batched_tokens
@@ -165,9 +165,14 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the step ----------------------------------------------------------------
-    def advance(self, out: SchedulerOutput) -> None:
-        """The step ran: commit it, credit the computed tokens and fork children whose
-        parent's prompt is now done."""
+    def update_from_output(self, out: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
+        """The step ran (vLLM's name): commit it, credit the computed tokens, fork children
+        whose parent's prompt is now done, append the sampled tokens and apply the
+        token-level stops (EOS and stop_token_ids once min_tokens are out, max_tokens,
+        max_model_len), finishing those requests. Returns one RequestUpdate per scheduled
+        request, in scheduled order."""
+        now = time.monotonic()
+        updates = []
         for s in out.scheduled:
             req = self.requests[s.request_id]
             start = s.num_computed_tokens
@@ -177,9 +182,35 @@ class Scheduler:
             kids = self.pending_forks.get(req.request_id)
             if kids and req.num_computed_tokens >= req.num_prompt_tokens:
                 del self.pending_forks[req.request_id]
-                self._fork(req, kids)
+                self._fork(req, kids)  # before a finish below frees the parent's blocks
+            upd = RequestUpdate(req, [], start)
+            token = runner_output.sampled.get(s.request_id)
+            if token is not None:
+                req.append_output_token(token)
+                upd.new_token_ids.append(token)
+                if req.times.first_token_time is None:
+                    req.times.first_token_time = now
+                req.times.last_token_time = now
+                upd.finished = self._check_stop(req, token)
+            updates.append(upd)
         self.kv.commit_step()
         self._step_journal = []
+        for upd in updates:
+            if upd.finished is not None:
+                self.finish(upd.request, upd.finished)
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """Token-level stop of a request that just got `token` (vLLM's check_stop): sets
+        stop_reason (None for EOS, else the stop token id)."""
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens and token in req.stop_ids:
+            is_eos = token in req.eos_token_ids and not sp.ignore_eos
+            req.stop_reason = None if is_eos else token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def undo_step(self) -> int:
         """The step last scheduled did not run: forget the block hashes it registered and

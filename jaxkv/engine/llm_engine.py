@@ -150,7 +150,7 @@ class LLMEngine:
         survives, its requests are requeued to recompute, and if the KV pool itself was lost
         every request recomputes. The engine stays usable (call step() again, or abort)."""
         sched = self.scheduler
-        try:
+        try:  # schedule -> execute_model -> update_from_output -> outputs
             out = sched.schedule()
             if not out.scheduled:
                 return []
@@ -158,26 +158,26 @@ class LLMEngine:
         except BaseException:
             self._undo_failed_step()
             raise
-        sched.advance(out)
-        now = time.monotonic()
-        op = self.output_processor
-        changed, touched = set(), {}
-        for s in out.scheduled:
-            req = sched.requests[s.request_id]
-            g = op.child_to_group[req.request_id]
-            if s.request_id in res.prompt_logprobs:
-                op.add_prompt_logprobs(req, s.num_computed_tokens + 1, res.prompt_logprobs[s.request_id])
-            if s.request_id not in res.sampled:
-                continue
-            status = op.process_token(req, res.sampled[s.request_id], res.logprobs.get(s.request_id))
-            self.num_generation_tokens += 1
-            if req.times.first_token_time is None:
-                req.times.first_token_time = now
-            req.times.last_token_time = now
-            if status is not None:
-                sched.finish(req, status)
-            changed.add(req.request_id)
-            touched[g.request_id] = g
+        return self._process_updates(sched.update_from_output(out, res), res)
+
+    def _process_updates(self, updates, res) -> list[RequestOutput]:
+        """Text, stop strings and RequestOutputs for what update_from_output applied."""
+        op, changed, touched = self.output_processor, set(), {}
+        for upd in updates:
+            req = upd.request
+            rid = req.request_id
+            if rid in res.prompt_logprobs:
+                op.add_prompt_logprobs(req, upd.first_position + 1, res.prompt_logprobs[rid])
+            for token in upd.new_token_ids:
+                self.num_generation_tokens += 1
+                stop_str = op.process_token(req, token, res.logprobs.get(rid))
+                if stop_str is not None:  # wins over a length finish of the same token, as vLLM
+                    req.stop_reason = stop_str
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if upd.new_token_ids:
+                changed.add(rid)
+                g = op.child_to_group[rid]
+                touched[g.request_id] = g
         outputs = []
         for g in touched.values():
             o = op.make_output(g, changed)

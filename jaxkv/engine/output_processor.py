@@ -1,4 +1,5 @@
-"""Turns finished steps into RequestOutputs: detokenization, stop checks, logprob dicts, output kinds.
+"""Turns finished steps into RequestOutputs: detokenization, stop strings, logprob dicts, output
+kinds. (Token-level stops are the scheduler's: Scheduler.update_from_output.)
 
 One RequestGroup per user request; for n > 1 it has n child Requests. Output kinds follow
 vLLM's RequestOutputKind: CUMULATIVE (everything so far, every step), DELTA (only what is new),
@@ -73,29 +74,21 @@ class OutputProcessor:
             req.prompt_logprobs.append(self.logprob_dict(top_ids[j], top_lp[j], None,
                                                          (t, target_lp[j], ranks[j])))
 
-    def process_token(self, req: Request, token: int, logprob_data) -> RequestStatus | None:
-        """Append one sampled token; returns the finished status, or None if the request goes on."""
-        before = req.num_output_tokens
-        req.append_output_token(token)
+    def process_token(self, req: Request, token: int, logprob_data) -> str | None:
+        """The text side of one token the scheduler has appended (and applied its token-level
+        stops to): its logprob dict, detokenization, stop strings. Returns the stop string
+        that now ends the request, or None (a request already stopped by a token keeps that
+        reason; its token's text is left out unless include_stop_str_in_output)."""
+        before = req.num_output_tokens - 1
         if logprob_data is not None:
             lp, rank, top_lp, top_ids = logprob_data
             req.logprobs.append(self.logprob_dict(top_ids, top_lp, None, (token, lp, rank)))
             req.cumulative_logprob += float(lp)
         g = self.child_to_group[req.request_id]
         detok = g.detoks[g.children.index(req)]
-        sp = req.sampling_params
-        stopped_by_token = before + 1 >= sp.min_tokens and token in req.stop_ids
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
         stop_str = detok.update([token], before, stop_terminated=stopped_by_token)
-        if stopped_by_token:
-            is_eos = token in req.eos_token_ids and not sp.ignore_eos
-            req.stop_reason = None if is_eos else token  # None for EOS, as vLLM
-            return RequestStatus.FINISHED_STOPPED
-        if stop_str is not None:
-            req.stop_reason = stop_str
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return None if stopped_by_token else stop_str
 
     def make_output(self, g: RequestGroup, changed: set[str]) -> RequestOutput | None:
         kind = g.children[0].sampling_params.output_kind

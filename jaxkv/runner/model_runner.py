@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models.llama import AttnMetadata, LlamaModel
 from jaxkv.runner import sampler as smp
@@ -25,16 +24,6 @@ from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
 from jaxkv.runner.step_input import build_step_input
 
 logger = logging.getLogger("jaxkv")
-
-
-@dataclass
-class RunnerOutput:
-    """Per sampled request: token id, and logprob data when asked; prompt logprobs per chunk."""
-    sampled: dict[str, int] = field(default_factory=dict)
-    # request id -> (sampled logprob, rank, top logprobs [k], top ids [k])
-    logprobs: dict[str, tuple] = field(default_factory=dict)
-    # request id -> (target logprobs [n], ranks [n], top logprobs [n, k], top ids [n, k])
-    prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
 
 
 class ModelRunner:

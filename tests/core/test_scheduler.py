@@ -9,6 +9,7 @@ import pytest
 
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
+from jaxkv.core.scheduler_output import RunnerOutput
 from jaxkv.engine_config import SchedulerConfig
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.sampling_params import SamplingParams
@@ -37,13 +38,8 @@ def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16):
         assert len(ids) == len(set(ids)) and out.total_num_scheduled_tokens <= budget
         for s in out.scheduled:  # every scheduled token has a slot in the request's blocks
             assert len(s.block_ids) * block_size >= s.num_computed_tokens + s.num_scheduled_tokens
-        sched.advance(out)
-        for s in out.scheduled:
-            if s.sample:
-                r = sched.requests[s.request_id]
-                r.append_output_token(1)
-                if r.num_output_tokens >= r.max_tokens:
-                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+        # Every sampled request gets token 1; update_from_output finishes it at max_tokens.
+        sched.update_from_output(out, RunnerOutput({s.request_id: 1 for s in out.scheduled if s.sample}))
         if abort_p and rng.random() < abort_p and groups:
             for c in groups.pop(rng.choice(list(groups))):
                 if not c.status.is_finished:
@@ -67,12 +63,12 @@ def test_budget_chunks_prefill_and_decodes_go_first():
     sched.add_request(a)
     out = sched.schedule()
     assert [(s.request_id, s.num_scheduled_tokens, s.sample) for s in out.scheduled] == [("a", 10, False)]
-    sched.advance(out)
+    sched.update_from_output(out, RunnerOutput())
     b = Request("b", list(range(100, 104)), SamplingParams(max_tokens=3), None, 0)
     sched.add_request(b)
     out = sched.schedule()  # a's next chunk uses the whole budget; b waits
     assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 10)]
-    sched.advance(out)
+    sched.update_from_output(out, RunnerOutput())
     out = sched.schedule()  # a's last 5 tokens (samples), then b's whole prompt in the same step
     assert [(s.request_id, s.num_scheduled_tokens, s.sample) for s in out.scheduled] == [
         ("a", 5, True), ("b", 4, True)]

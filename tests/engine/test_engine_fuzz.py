@@ -22,7 +22,7 @@ from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.models.model_config import ModelConfig
-from jaxkv.runner.model_runner import RunnerOutput
+from jaxkv.core.scheduler_output import RunnerOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 V, EOS, BS, MAX_LEN = 40, 39, 4, 64
