@@ -16,11 +16,8 @@ an unsafe template, or a template that rejects the conversation.
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Any
-
-# Private-use characters around each placeholder: no template writes them.
-_MARK = "\ue000jaxkv-content-{}\ue001"
-_MARK_RE = re.compile("\ue000jaxkv-content-(\\d+)\ue001")
 
 
 def special_token_texts(tokenizer) -> list[str]:
@@ -58,6 +55,8 @@ def normalize_messages(messages) -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+        if "<|" in role or "\n" in role:
+            raise ValueError(f"messages[{i}].role must be a plain role name, got {role!r}"[:300])
         if m.get("content") is None:
             raise ValueError(f"messages[{i}].content must be given (a string or text parts); null "
                              "content is allowed only on an assistant message with tool_calls, "
@@ -83,6 +82,8 @@ def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
                          "(set add_generation_prompt to false to continue the final message)")
     convo = normalize_messages(messages)
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
     kwargs = dict(chat_template_kwargs or {})
     reserved = {"conversation", "messages", "tokenize", "add_generation_prompt",
                 "continue_final_message", "chat_template", "return_dict"} & set(kwargs)
@@ -101,29 +102,53 @@ def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
     text = render(convo)
     specials = special_token_texts(tokenizer)
     for i, m in enumerate(convo):
-        if "name" in m and any(s in m["name"] for s in specials):
-            raise ValueError(f"messages[{i}].name must not contain control-token text")
+        if any(s in m.get("name", "") or s in m["role"] for s in specials):
+            raise ValueError(f"messages[{i}] must not have control-token text in its role or name")
+    for name, value in kwargs.items():  # template variables (documents too) are user text
+        if _has_special(value, specials):
+            raise ValueError(f"chat_template_kwargs: {name!r} must not contain control-token text")
     typed = [i for i, m in enumerate(convo) if any(s in m["content"] for s in specials)]
     if not typed:
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, _encode(tokenizer, text)
     return text, _encode_with_typed_text(tokenizer, convo, typed, render, text)
+
+
+def _has_special(value, specials) -> bool:
+    if isinstance(value, str):
+        return any(s in value for s in specials)
+    if isinstance(value, dict):
+        return any(_has_special(k, specials) or _has_special(v, specials) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_special(v, specials) for v in value)
+    return False
+
+
+def _encode(tokenizer, text: str, **kw) -> list[int]:
+    """ids of text; ValueError for text the tokenizer cannot take (a lone surrogate)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False, **kw)
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise ValueError(f"messages: the text cannot be encoded ({type(e).__name__}: {e})"[:300]) from e
 
 
 def _encode_with_typed_text(tokenizer, convo, typed, render, text) -> list[int]:
     """Render with placeholders for the messages in `typed`, encode the template's pieces
     with special tokens parsed and those messages' text without; the pieces must rebuild
     `text` exactly, else the template transforms the content and the request is refused."""
-    marked = [dict(m, content=_MARK.format(i)) if i in typed else m for i, m in enumerate(convo)]
-    pieces = _MARK_RE.split(render(marked))
+    # Placeholders carry a fresh random nonce: typed text can never forge or collide with one.
+    nonce = secrets.token_hex(8)
+    marked = [dict(m, content=f"\ue000{nonce}-{i}\ue001") if i in typed else m
+              for i, m in enumerate(convo)]
+    pieces = re.split(f"\ue000{nonce}-(\\d+)\ue001", render(marked))
     ids, rebuilt = [], []
     for j, piece in enumerate(pieces):
         if j % 2:  # a placeholder: the message's own text, never control tokens
             content = convo[int(piece)]["content"]
             rebuilt.append(content)
-            ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+            ids += _encode(tokenizer, content, split_special_tokens=True)
         elif piece:
             rebuilt.append(piece)
-            ids += tokenizer.encode(piece, add_special_tokens=False)
+            ids += _encode(tokenizer, piece)
     if "".join(rebuilt) != text:
         raise ValueError(f"messages[{typed[0]}].content contains control-token text and the chat "
                          "template changes message content, so it cannot be encoded safely")

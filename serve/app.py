@@ -123,7 +123,10 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
         if req.messages is not None:
             ids = render_chat(tok, req)["prompt_token_ids"]
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            try:
+                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate
+                raise APIError(f"prompt: the text cannot be encoded ({e})"[:300], 400, "prompt") from e
         return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -27,7 +27,10 @@ def _prompts(req: CompletionRequest, tokenizer) -> list:
     if isinstance(p[0], list):
         return [{"prompt_token_ids": list(x)} for x in p]
     if not req.add_special_tokens:  # as vLLM: no BOS (or other special tokens) added
-        return [{"prompt": x, "prompt_token_ids": tokenizer.encode(x, add_special_tokens=False)} for x in p]
+        try:
+            return [{"prompt": x, "prompt_token_ids": tokenizer.encode(x, add_special_tokens=False)} for x in p]
+        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate
+            raise APIError(f"prompt: the text cannot be encoded ({e})"[:300], 400, "prompt") from e
     return list(p)
 
 

@@ -80,6 +80,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_computed_tokens >= req.num_tokens:
+                # Credited but never given its token (a step interrupted after it ran):
+                # compute the last position again so the request samples and goes on.
+                req.num_computed_tokens = req.num_tokens - 1
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
@@ -237,7 +241,21 @@ class Scheduler:
             requeued.append(req)
         for req in reversed(requeued):
             self.waiting.appendleft(req)
-        return len(requeued)
+        return len(requeued) + self._requeue_strays()
+
+    def _requeue_strays(self) -> int:
+        """Requests in no queue (scheduling interrupted between taking one out of a queue
+        and putting it in another) go back to waiting, to recompute. Returns how many."""
+        queued = {id(r) for r in self.running} | {id(r) for r in self.waiting}
+        queued |= {id(c) for kids in self.pending_forks.values() for c in kids}
+        strays = [r for r in self.requests.values()
+                  if id(r) not in queued and not r.status.is_finished]
+        for req in strays:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+        return len(strays)
 
     def drop_all_kv(self) -> None:
         """The KV pool's contents were lost: every request recomputes from its first token,

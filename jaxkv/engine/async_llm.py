@@ -206,9 +206,10 @@ class AsyncLLM:
                 for out in outputs:
                     s = self._streams.get(out.request_id)
                     if s is not None:
+                        if out.finished:  # its id is free before its caller can see the end
+                            with self._cond:
+                                self._streams.pop(out.request_id, None)
                         s.put(out)
-                        if out.finished:
-                            self._streams.pop(out.request_id, None)
                 if self._log is not None:
                     self._log.maybe_log(self._stats)
         except BaseException as e:  # noqa: BLE001 - every stream must learn that the engine died

@@ -62,7 +62,10 @@ class LLMEngine:
                 raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
-        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        try:
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate in the text
+            raise ValueError(f"prompt: the text cannot be encoded ({type(e).__name__}: {e})"[:300]) from e
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

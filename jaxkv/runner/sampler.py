@@ -10,13 +10,17 @@ Penalty counts are computed on device from token ids the host passes in the step
 (prompt ids and output ids, [rows, max_model_len] padded with vocab_size, which the scatter
 drops); nothing about a request is kept in device state between steps.
 
-Randomness: row r draws one uniform from fold_in(fold_in(PRNGKey(seed_r), sample_index_r),
-num_output_tokens_r) and inverts the CDF of its kept probabilities, always in vocabulary order,
-so a row's token is a function of its own logits, parameters, seed and position only: the same
-alone or next to any other rows, whatever mode the step runs in. Modes only decide how much
-work a step does: a batch of only greedy rows never builds probabilities ("greedy"); top-k and
-top-p need a sort per row, done only when some row of the step asks for them ("filtered"); a
-row without them keeps exactly the same probabilities in "random" and "filtered" mode.
+Randomness: row r draws one exponential variable per vocabulary entry from its own key,
+fold_in(fold_in(PRNGKey(seed_r), sample_index_r), num_output_tokens_r), and takes the token
+with the largest p / E (the exponential race, as vLLM samples; it draws exactly from p). A row's
+token is then a function of its own logits, parameters, seed and position only: the same alone
+or next to any other rows, whatever mode the step runs in, and robust to the last-bit noise
+that a different batch shape puts on the logits (a flip needs two tokens whose p / E agree to
+that noise, where an inverted CDF over 49k tokens flips whenever a draw lands on any rare
+token). Modes only decide how much work a step does: a batch of only greedy rows never builds
+probabilities ("greedy"); top-k and top-p need a sort per row, done only when some row of the
+step asks for them ("filtered"); a row without them keeps exactly the same probabilities in
+"random" and "filtered" mode.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def apply_penalties(logits, p: PenaltyArrays):
     return logits.at[rows, p.banned_ids].set(-jnp.inf, mode="drop")
 
 
-def _uniforms(s: SamplingArrays):
+def _exponentials(s: SamplingArrays, vocab_size: int):
+    """Exp(1) noise [R, V] float32, each row from its own key (seed, sample index, step)."""
     hi = s.seed_hi if s.seed_hi is not None else jnp.zeros_like(s.seed)
 
     def one(seed, seed_hi, j, step):
@@ -78,14 +83,9 @@ def _uniforms(s: SamplingArrays):
         # Seeds below 2**32 keep their stream; higher bits (and negative seeds) fold in.
         key = jnp.where(seed_hi != 0, jax.random.fold_in(key, seed_hi), key)
         key = jax.random.fold_in(jax.random.fold_in(key, j), step)
-        return jax.random.uniform(key, (), jnp.float32, minval=1e-7, maxval=1.0)
-    return jax.vmap(one)(s.seed, hi, s.sample_index, s.step)
-
-
-def _inverse_cdf(probs, u):
-    cdf = jnp.cumsum(probs, axis=-1)
-    x = (u * cdf[:, -1])[:, None]
-    return jnp.minimum(jnp.sum(cdf < x, axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
+        return jax.random.exponential(key, (vocab_size,), jnp.float32)
+    # A zero draw would make 0 / 0 for a filtered token; the floor keeps those at 0.
+    return jnp.maximum(jax.vmap(one)(s.seed, hi, s.sample_index, s.step), 1e-30)
 
 
 def _top_k_top_p_mask(probs, top_k, top_p):
@@ -124,7 +124,7 @@ def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, *, mode: 
         probs = jnp.where(probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
         if mode == "filtered":
             probs = jnp.where(_top_k_top_p_mask(probs, s.top_k, s.top_p), probs, 0.0)
-        picked = _inverse_cdf(probs, _uniforms(s))
+        picked = jnp.argmax(probs / _exponentials(s, probs.shape[-1]), axis=-1)
         tokens = jnp.where(greedy, tokens, picked.astype(jnp.int32))
     r = logits.shape[0]
     if num_logprobs:

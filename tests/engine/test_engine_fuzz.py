@@ -3,7 +3,8 @@
 
 Random workloads: arrivals over time, shared prompt prefixes (prefix hits, same-step hits),
 n > 1 forks, small pools (preemption), aborts, and injected failures: the runner raising before
-or halfway through its writes, a step that loses the whole pool, and scheduling raising halfway.
+or halfway through its writes, a step that loses the whole pool, scheduling raising halfway (also
+between taking a preemption victim off the running queue and requeueing it).
 After a failure the harness either steps on (the engine must recompute) or aborts everything
 (as LLM.generate does on Ctrl-C). Checked: every slot a step reads holds exactly its sequence's
 prefix, block reference counts match the block tables after every step, every finished
@@ -165,6 +166,15 @@ def run_workload(seed: int, caching: bool = True) -> dict:
             raise InjectedFailure("schedule")
         return real_allocate(*a, **kw)
     engine.scheduler.kv.allocate_slots = flaky_allocate
+
+    def flaky(real, where):  # an interrupt landing inside host work around the step
+        def wrapper(*a, **kw):
+            if rng.random() < engine.runner.fail_p / 3:
+                raise InjectedFailure(where)
+            return real(*a, **kw)
+        return wrapper
+    # between taking a victim off the running queue and requeueing it
+    engine.scheduler._preempt = flaky(engine.scheduler._preempt, "preempt")
 
     for _ in range(3000):
         while pending and rng.random() < 0.5:

@@ -121,3 +121,14 @@ def test_seed_must_fit_in_64_bits():
     SamplingParams(seed=2**64 - 1)
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**64)
+
+
+def test_the_exponential_race_draws_from_the_distribution():
+    # 4000 rows with their own seeds over one 12-token distribution: frequencies match p.
+    p = np.array([0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.005, 0.004, 0.001])
+    r = 4000
+    logits = jnp.asarray(np.tile(np.log(p).astype(np.float32), (r, 1)))
+    tokens = np.asarray(smp.sample(logits, arrays(r, seeds=np.arange(r)), None, mode="random",
+                                   num_logprobs=0).token_ids)
+    freq = np.bincount(tokens, minlength=V) / r
+    assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / r) + 1e-3), freq
