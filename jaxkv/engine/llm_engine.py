@@ -41,6 +41,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._pending_outputs: list[RequestOutput] = []  # made by a step that then raised
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -142,7 +143,9 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request runs or waits, or outputs of a step that raised are still
+        to be returned by step()."""
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one jitted step, sample, and return this step's outputs (shaped by
@@ -156,36 +159,45 @@ class LLMEngine:
         try:  # schedule -> execute_model -> update_from_output -> outputs
             out = sched.schedule()
             if not out.scheduled:
-                return []
+                pending, self._pending_outputs = self._pending_outputs, []
+                return pending
             res = self.runner.execute(out)
         except BaseException:
             self._undo_failed_step()
             raise
-        return self._process_updates(sched.update_from_output(out, res), res)
+        outputs = self._process_updates(sched.update_from_output(out, res), res)
+        pending, self._pending_outputs = self._pending_outputs, []  # older ones first
+        return pending + outputs
 
     def _process_updates(self, updates, res) -> list[RequestOutput]:
-        """Text, stop strings and RequestOutputs for what update_from_output applied."""
-        op, changed, touched = self.output_processor, set(), {}
+        """Text, stop strings and RequestOutputs for what update_from_output applied.
+
+        An error (or Ctrl-C) while one request's text is processed does not lose the others:
+        every update is processed, the outputs are kept for the next step() to return, and
+        the first error is raised at the end."""
+        op, changed, touched, error = self.output_processor, set(), {}, None
         for upd in updates:
             req = upd.request
             rid = req.request_id
-            if rid in res.prompt_logprobs:
-                op.add_prompt_logprobs(req, upd.first_position + 1, res.prompt_logprobs[rid])
-            for token in upd.new_token_ids:
-                self.num_generation_tokens += 1
-                stop_str = op.process_token(req, token, res.logprobs.get(rid))
-                if stop_str is not None:  # wins over a length finish of the same token, as vLLM
-                    req.stop_reason = stop_str
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            try:
+                if rid in res.prompt_logprobs:
+                    op.add_prompt_logprobs(req, upd.first_position + 1, res.prompt_logprobs[rid])
+                for token in upd.new_token_ids:
+                    self.num_generation_tokens += 1
+                    stop_str = op.process_token(req, token, res.logprobs.get(rid))
+                    if stop_str is not None:  # wins over a length finish of this token, as vLLM
+                        req.stop_reason = stop_str
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            except BaseException as e:  # noqa: BLE001 - raised below, after the others
+                error = error or e
             if upd.new_token_ids:
                 changed.add(rid)
                 g = op.child_to_group[rid]
                 touched[g.request_id] = g
-        outputs = []
-        for g in touched.values():
-            o = op.make_output(g, changed)
-            if o is not None:
-                outputs.append(o)
+        outputs = [o for g in touched.values() if (o := op.make_output(g, changed)) is not None]
+        if error is not None:
+            self._pending_outputs += outputs
+            raise error
         return outputs
 
     def _undo_failed_step(self) -> None:

@@ -4,7 +4,8 @@
 Random workloads: arrivals over time, shared prompt prefixes (prefix hits, same-step hits),
 n > 1 forks, small pools (preemption), aborts, and injected failures: the runner raising before
 or halfway through its writes, a step that loses the whole pool, scheduling raising halfway (also
-between taking a preemption victim off the running queue and requeueing it).
+between taking a preemption victim off the running queue and requeueing it), and output
+processing raising after the step ran.
 After a failure the harness either steps on (the engine must recompute) or aborts everything
 (as LLM.generate does on Ctrl-C). Checked: every slot a step reads holds exactly its sequence's
 prefix, block reference counts match the block tables after every step, every finished
@@ -175,6 +176,8 @@ def run_workload(seed: int, caching: bool = True) -> dict:
         return wrapper
     # between taking a victim off the running queue and requeueing it
     engine.scheduler._preempt = flaky(engine.scheduler._preempt, "preempt")
+    # after the step ran, while its outputs are processed
+    engine.output_processor.process_token = flaky(engine.output_processor.process_token, "output")
 
     for _ in range(3000):
         while pending and rng.random() < 0.5:
