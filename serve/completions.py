@@ -43,9 +43,13 @@ class _TextOffset:
         self.chars, self._utf8 = 0, codecs.getincrementaldecoder("utf-8")("replace")
 
     def take(self, shown: str) -> int:
-        """The offset of a token shown as `shown`; moves past it."""
+        """The offset of a token shown as `shown`; moves past it. A whole token that follows
+        an unfinished character starts after that character's U+FFFD."""
+        decoded = self._utf8.decode(bytes(token_bytes(shown)))
         at = self.chars
-        self.chars += len(self._utf8.decode(bytes(token_bytes(shown))))
+        if not shown.startswith("bytes:") and decoded.endswith(shown):
+            at += len(decoded) - len(shown)
+        self.chars += len(decoded)
         return at
 
 
