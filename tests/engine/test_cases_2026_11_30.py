@@ -40,6 +40,19 @@ def test_c1_case_as_written(llm):
     assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
+def test_c1_case_input_over_many_seeds_at_temperature_1(llm):
+    # Alone the prompt runs in the 8-token bucket, in the batch in the 64-token one: the logits
+    # differ in their last bits, and the exponential race must not let that flip a token.
+    prompts = ["The river flows", "In the morning I", "Good soup needs"]
+    for seed in range(6):
+        seeded = SamplingParams(temperature=1.0, seed=seed, max_tokens=16)
+        batch = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=16), seeded,
+                                       SamplingParams(temperature=1.0, top_k=5, max_tokens=16)],
+                             use_tqdm=False)
+        alone = llm.generate(prompts[1], seeded, use_tqdm=False)
+        assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids, seed
+
+
 NEIGHBOURS = {
     "top_k": SamplingParams(temperature=1.0, top_k=5, max_tokens=12),
     "top_p": SamplingParams(temperature=0.9, top_p=0.5, max_tokens=12),
