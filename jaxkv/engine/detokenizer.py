@@ -18,6 +18,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
+from jaxkv.loader.gguf_tokenizer import byte_level_alphabet
 from jaxkv.sampling_params import SamplingParams
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens kept as decoding context.
@@ -60,15 +61,7 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 @lru_cache(maxsize=1)
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's printable character -> byte map (the inverse of the byte-level BPE alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    out, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            out[chr(byte)] = byte
-        else:
-            out[chr(256 + extra)] = byte
-            extra += 1
-    return out
+    return {ch: b for b, ch in byte_level_alphabet().items()}
 
 
 def token_bytes(tokenizer: Any, token_id: int, token: str | None = None) -> bytes | None:

@@ -38,7 +38,7 @@ _PRE_TOKENIZER_SPLITS = {
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable unicode character map (the byte-level BPE alphabet)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     mapping, extra = {}, 0
@@ -92,7 +92,7 @@ def tokenizer_from_gguf(reader_or_path):
     token_types = [int(t) for t in field("tokenizer.ggml.token_type", [1] * len(tokens))]
 
     # Tokens the file spells outside the byte alphabet are respelled byte by byte, as transformers does.
-    spelling = _byte_alphabet()
+    spelling = byte_level_alphabet()
     alphabet = set(spelling.values())
     spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}

@@ -227,13 +227,13 @@ def test_split_regex_tokenizer_matches_transformers(tmp_path, gguf_path):
 
     from jaxkv.loader.gguf import read_gguf_metadata
 
-    from jaxkv.loader.gguf_tokenizer import _byte_alphabet
+    from jaxkv.loader.gguf_tokenizer import byte_level_alphabet
 
     # A small valid BPE (SmolLM2's control tokens and first 3000 merges) keeps transformers' side fast.
     meta, _ = read_gguf_metadata(gguf_path, strings=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
     merges = meta["tokenizer.ggml.merges"][:3000]
     control = meta["tokenizer.ggml.tokens"][:17]
-    tokens = list(dict.fromkeys(control + list(_byte_alphabet().values()) + [m.replace(" ", "") for m in merges]))
+    tokens = list(dict.fromkeys(control + list(byte_level_alphabet().values()) + [m.replace(" ", "") for m in merges]))
 
     def tokenizer_metadata(w):
         w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("llama-bpe"), w.add_add_bos_token(True)
