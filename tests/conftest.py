@@ -15,6 +15,15 @@ TEST_ENGINE = dict(max_model_len=1024, max_num_batched_tokens=256, token_buckets
                    max_num_seqs=32, kv_cache_memory_bytes=256 << 20)
 
 
+def pytest_collection_finish(session):
+    """Start the shared `jaxkv serve` of tests/serve now if any collected test needs it: its
+    warmup runs in its own process while the tests before it run (2 cores, and compiling is
+    mostly single-threaded)."""
+    if any("server" in getattr(item, "fixturenames", ()) for item in session.items):
+        from tests.serve.conftest import launch_server
+        launch_server()
+
+
 @pytest.fixture(scope="session")
 def gguf_path():
     from jaxkv.loader.gguf import embedded_model_path

@@ -44,7 +44,7 @@ def test_c1_case_input_over_many_seeds_at_temperature_1(llm):
     # Alone the prompt runs in the 8-token bucket, in the batch in the 64-token one: the logits
     # differ in their last bits, and the exponential race must not let that flip a token.
     prompts = ["The river flows", "In the morning I", "Good soup needs"]
-    for seed in range(6):
+    for seed in range(3):
         seeded = SamplingParams(temperature=1.0, seed=seed, max_tokens=16)
         batch = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=16), seeded,
                                        SamplingParams(temperature=1.0, top_k=5, max_tokens=16)],

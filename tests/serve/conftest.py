@@ -3,11 +3,13 @@ tests, with an API key so that every test also exercises authentication."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -55,40 +57,70 @@ class Server:
         raise KeyError(name)
 
 
-@pytest.fixture(scope="session")
-def server():
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--api-key", API_KEY,
-           "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--max-num-seqs", "32",
-           "--kv-cache-memory-bytes", str(KV_BYTES)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    codes: list[int] = []
-    srv = Server(url, log.name, codes)
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"jaxkv serve exited with {proc.returncode}:\n{srv.log()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"jaxkv serve not ready after 300 s:\n{srv.log()}")
+class _Launch:
+    """One `jaxkv serve` process and a thread that polls /health from its start until 200
+    (or the process ends), recording every status code seen."""
+
+    def __init__(self):
+        port = _free_port()
+        self.log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+               "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--max-num-seqs", "32",
+               "--kv-cache-memory-bytes", str(KV_BYTES)]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.server = Server(f"http://127.0.0.1:{port}", self.log.name, [])
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)
+
+    def _poll(self):
+        deadline = time.monotonic() + 600
+        while self.proc.poll() is None and time.monotonic() < deadline:
             try:
-                codes.append(httpx.get(url + "/health", timeout=5).status_code)
-                if codes[-1] == 200:
-                    break
+                self.server.health_codes.append(httpx.get(self.server.url + "/health", timeout=5).status_code)
+                if self.server.health_codes[-1] == 200:
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
+
+
+_launched: list[_Launch] = []
+
+
+def launch_server() -> _Launch:
+    """Start the shared server once. tests/conftest.py calls this right after collection when
+    any collected test uses it, so its start-up (compiling its programs in its own process)
+    overlaps the tests that run before the server tests."""
+    if not _launched:
+        _launched.append(_Launch())
+    return _launched[0]
+
+
+@pytest.fixture(scope="session")
+def server():
+    launch = launch_server()
+    launch.thread.join()
+    srv = launch.server
+    try:
+        if launch.proc.poll() is not None:
+            pytest.fail(f"jaxkv serve exited with {launch.proc.returncode}:\n{srv.log()}")
+        if not srv.health_codes or srv.health_codes[-1] != 200:
+            pytest.fail(f"jaxkv serve not ready after 600 s:\n{srv.log()}")
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(log.name)
+        launch.stop()
 
 
 @pytest.fixture(scope="session")
