@@ -66,7 +66,7 @@ class _Launch:
         self.log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--api-key", API_KEY,
                "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--max-num-seqs", "32",
-               "--kv-cache-memory-bytes", str(KV_BYTES), "--token-buckets", "8,64"]  # 2 programs
+               "--kv-cache-memory-bytes", str(KV_BYTES)]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.server = Server(f"http://127.0.0.1:{port}", self.log.name, [])
