@@ -215,6 +215,8 @@ class LLMEngine:
         """Abort requests (user ids, all n samples); their blocks are freed at once."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        gone = set(request_ids)  # outputs held back from a failed step are superseded
+        self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in gone]
         outs = []
         for rid in request_ids:
             g = self.output_processor.groups.get(rid)

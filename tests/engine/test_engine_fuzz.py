@@ -238,3 +238,30 @@ def test_fuzz_catches_a_poisoned_cache():
         except AssertionError as e:
             found += "read position" in str(e) or "tokens differ" in str(e)
     assert found > 0
+
+
+def test_abort_drops_outputs_held_back_by_a_failed_step():
+    """Outputs kept from a step whose output processing raised never reach the caller after
+    the request was aborted (its id may already be reused)."""
+    engine = make_engine(random.Random(0), 20, 8, 4, True, fail_p=0.0)
+    sp = SamplingParams(max_tokens=8, seed=1, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], sp)
+    assert [o.request_id for o in engine.step()] == ["a"]
+    real, calls = engine.output_processor.process_token, []
+
+    def once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise InjectedFailure("output")
+        return real(*a, **kw)
+    engine.output_processor.process_token = once
+    with pytest.raises(InjectedFailure):
+        engine.step()
+    assert engine._pending_outputs  # held back for the next step
+    final = engine.abort_request("a")
+    assert [(o.request_id, o.finished) for o in final] == [("a", True)]
+    engine.add_request("a", [7, 8], SamplingParams(max_tokens=1, seed=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [(o.request_id, o.prompt_token_ids, o.finished) for o in outs] == [("a", [7, 8], True)]
