@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxkv.config import ATTENTION_BACKENDS, check_batched_tokens
 from jaxkv.core.kv_budget import KVBudget, parse_bytes, plan_kv_cache
 from jaxkv.models.model_config import ModelConfig
 
@@ -79,7 +80,6 @@ def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
 def resolve_backend(name: str, platform: str) -> str:
     """auto -> "pallas" on GPU, "xla" elsewhere; "pallas" and "xla" stay as asked (pallas off
     a GPU runs in interpret mode). ValueError for an unknown name."""
-    from jaxkv.config import ATTENTION_BACKENDS
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
@@ -111,9 +111,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if platform == "gpu" else "float32")
     mnbt = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if platform == "gpu"
                                            else CPU_MAX_NUM_BATCHED_TOKENS)
-    if mnbt < args.max_num_seqs:
-        raise ValueError(f"max_num_batched_tokens ({mnbt}) must be greater than or equal to "
-                         f"max_num_seqs ({args.max_num_seqs})")
+    check_batched_tokens(mnbt, args.max_num_seqs)
     buckets = (tuple(sorted(set(int(x) for x in args.token_buckets))) if args.token_buckets
                else default_token_buckets(mnbt))
     if buckets[-1] < mnbt:

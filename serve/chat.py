@@ -40,11 +40,7 @@ def render_chat(tokenizer, req) -> dict:
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
     except ValueError as e:
-        msg = str(e)
-        param = msg.split(":", 1)[0].split(" ", 1)[0] if msg.startswith(("messages", "chat_template_kwargs")) else None
-        if msg.startswith("continue_final_message"):
-            param = "continue_final_message"
-        raise APIError(msg, 400, param) from e
+        raise bad_request(e) from e
     return {"prompt": text, "prompt_token_ids": ids}
 
 

@@ -38,17 +38,18 @@ def error_response(message: str, status: int, param: str | None = None) -> JSONR
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
-_FIELD = re.compile(r"^([a-z_]+)\b")
+_FIELD = re.compile(r"^([a-z_]+)((?:\[\d+\]|\.[a-z_]+)*)")  # top_k, messages[0].content[1]
 _ONE_WORD_FIELDS = {"n", "temperature", "seed", "stop", "logprobs", "prompt", "messages", "tokens"}
 
 
 def bad_request(e: ValueError) -> APIError:
-    """A ValueError from SamplingParams / the engine as a 400; `param` is the field its
-    message starts with (those messages name the field first: "top_k must be ...")."""
+    """A ValueError from SamplingParams / the engine / chat rendering as a 400; `param` is the
+    field its message starts with (those messages name the field first: "top_k must be ...",
+    "messages[0].content must be given")."""
     msg = str(e)
     m = _FIELD.match(msg)
     word = m.group(1) if m else ""
-    return APIError(msg, 400, word if "_" in word or word in _ONE_WORD_FIELDS else None)
+    return APIError(msg, 400, word + m.group(2) if "_" in word or word in _ONE_WORD_FIELDS else None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -21,11 +21,11 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
 from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxkv.engine_config import SchedulerConfig
-from .request import Request, RequestStatus
 
 
 class Scheduler:
@@ -105,8 +105,7 @@ class Scheduler:
             # of the queue, they give their shared blocks back and recompute (or hit the cache).
             for req in self.waiting:
                 if self.kv.get_block_ids(req.request_id):
-                    self.kv.free(req)
-                    req.num_computed_tokens = 0
+                    self._reset(req, req.status)
             budget = self._schedule_waiting(chosen, budget, [], now)
             if not chosen:
                 raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, "
@@ -160,10 +159,14 @@ class Scheduler:
             prompt_logprob_targets=targets,
             min_tokens_banned_ids=req.stop_ids if req.num_output_tokens < sp.min_tokens else [])
 
-    def _preempt(self, req: Request) -> None:
+    def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
+        """Give back req's blocks: it computes again from its first token (or a prefix hit)."""
         self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.status = status
+
+    def _preempt(self, req: Request) -> None:
+        self._reset(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -229,9 +232,7 @@ class Scheduler:
                 continue
             if req in self.running:
                 self.running.remove(req)
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.PREEMPTED if was_running else RequestStatus.WAITING
+            self._reset(req, RequestStatus.PREEMPTED if was_running else RequestStatus.WAITING)
             if lookup is not None:
                 self.kv.prefix_cache_queries -= lookup[0]
                 self.kv.prefix_cache_hits -= lookup[1]
@@ -251,26 +252,20 @@ class Scheduler:
         strays = [r for r in self.requests.values()
                   if id(r) not in queued and not r.status.is_finished]
         for req in strays:
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.PREEMPTED
+            self._reset(req)
             self.waiting.appendleft(req)
         return len(strays)
 
     def drop_all_kv(self) -> None:
-        """The KV pool's contents were lost: every request recomputes from its first token,
-        and no block hash survives."""
-        self.undo_step()
+        """The KV pool's contents were lost (call after undo_step): every request recomputes
+        from its first token, and no block hash survives."""
         for req in reversed(self.running):
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.PREEMPTED
+            self._reset(req)
             self.waiting.appendleft(req)
         self.running.clear()
         for req in self.waiting:  # forked children hold their parent's shared blocks
             if self.kv.get_block_ids(req.request_id):
-                self.kv.free(req)
-                req.num_computed_tokens = 0
+                self._reset(req, req.status)
         self.kv.pool.reset_prefix_cache()
 
     def _fork(self, parent: Request, kids: list[Request]) -> None:

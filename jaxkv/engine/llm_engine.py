@@ -90,9 +90,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         params.top_k = min(params.top_k, vocab)  # as vLLM: top_k above the vocabulary keeps all
+        max_logprobs = self.config.runner.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
-            max_logprobs = self.config.runner.max_logprobs
             if v is not None and v > max_logprobs:
                 raise ValueError(f"{name}: requested {v}, more than max_logprobs={max_logprobs}")
         if len(ids) >= self.max_model_len:

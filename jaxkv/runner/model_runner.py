@@ -97,7 +97,7 @@ class ModelRunner:
                 a.block_until_ready()
             return False
         except Exception:  # noqa: BLE001 - any failure to read it back means it is lost
-            self.kv_cache = None
+            self.kv_cache = None  # let the old buffers go before the new pool is allocated
             self.kv_cache = self._new_kv_cache()
             return True
 
