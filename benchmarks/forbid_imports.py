@@ -1,5 +1,5 @@
 """Run a module (`python -m benchmarks.forbid_imports MODULE ARGS...`) and fail if it imported
-a package the lent GPU machine lacks (gguf, fastapi, pydantic) or jaxkv's GGUF loader / the HTTP
+a package the lent GPU machine lacks (gguf, fastapi, pydantic) or jaxkv's GGUF reader / the HTTP
 server. On a CPU box that has them, this is how the dry run proves the device run will not need
 them; on the device a stray import would fail by itself."""
 
@@ -11,7 +11,7 @@ FORBIDDEN = ("gguf", "fastapi", "pydantic", "serve")
 
 def offenders() -> list[str]:
     return sorted(m for m in sys.modules
-                  if m.split(".")[0] in FORBIDDEN or m.startswith("jaxkv.loader.gguf"))
+                  if m.split(".")[0] in FORBIDDEN or m == "jaxkv.loader.gguf")
 
 
 def main() -> None:
