@@ -1,13 +1,14 @@
-"""Paged-attention kernels on the device: a smoke test, and timings against the XLA reference.
+"""Paged-attention kernels on the device: a smoke test, and timings against jaxkv's XLA path.
 
-  python -m benchmarks.kernel_bench smoke     # both kernels lower, run, and match the reference
+  python -m benchmarks.kernel_bench smoke     # both kernels lower, run, and match the oracle
   python -m benchmarks.kernel_bench sweep     # decode grid + a mixed batch: µs and GB/s
   add --cpu-dry-run to run the same code on a CPU with tiny shapes in interpret mode.
 
 Sweep (bfloat16, 32 query heads, 8 KV heads, head_dim 128, block 16): decode over num_seqs
 {1, 8, 64, 256} x context {512, 2048, 8192} with paged_attention (decode kernel, with and
-without split-K), ragged_paged_attention and the XLA reference; then a mixed batch of 4 prefill
-chunks of 512 tokens (the last 512 of 2048-token contexts) and 60 decodes at context 2048.
+without split-K), ragged_paged_attention and jaxkv's XLA path (jaxkv/attention/xla_ragged.py);
+then a mixed batch of 4 prefill chunks of 512 tokens (the last 512 of 2048-token contexts) and
+60 decodes at context 2048. The smoke stage checks against pallas_kernels/reference.py.
 GB/s = K/V bytes the step must read (context tokens x 2 x num_kv_heads x head_dim x 2 B) /
 time, shown next to the device-to-device copy bandwidth measured here ((read + write) / time).
 Each row is written as soon as it is measured (benchmarks/result_rows.py).
@@ -24,6 +25,7 @@ import numpy as np
 
 from benchmarks.result_rows import Rows
 from pallas_kernels import paged_attention, ragged_paged_attention
+from jaxkv.attention.xla_ragged import xla_ragged_paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 FULL = dict(heads=32, kv_heads=8, head_dim=128, block_size=16, seqs=(1, 8, 64, 256),
@@ -129,7 +131,7 @@ def sweep(cfg, interpret: bool):
             q, k, v, bt, sl, scale=scale, num_splits=8, interpret=interpret)),
         "ragged_paged_attention": jax.jit(lambda k, v, q, bt, sl, qsl, ns: ragged_paged_attention(
             q, k, v, bt, sl, qsl, ns, scale=scale, interpret=interpret)),
-        "xla_reference": jax.jit(lambda k, v, q, bt, sl, qsl, ns: ragged_paged_attention_reference(
+        "xla": jax.jit(lambda k, v, q, bt, sl, qsl, ns: xla_ragged_paged_attention(
             q, k, v, bt, sl, qsl, ns, scale=scale)),
     }
     for n in cfg["seqs"]:
@@ -146,7 +148,7 @@ def sweep(cfg, interpret: bool):
     ctx = [dctx] * (p + d)
     q, bt, sl, qsl, ns = batch(rng, ctx, [plen] * p + [1] * d, num_blocks, width, cfg, dtype)
     nbytes = kv_bytes(ctx, cfg, dtype)
-    for name in ("ragged_paged_attention", "xla_reference"):
+    for name in ("ragged_paged_attention", "xla"):
         first, t = timed(impls[name], k, v, q, bt, sl, qsl, ns, iters=iters)
         rows.add(batch=f"mixed {p}x{plen} prefill + {d} decodes", num_seqs=p + d, context=dctx,
                  impl=name, us=round(t * 1e6, 1), GBps=round(nbytes / t / 1e9, 1),

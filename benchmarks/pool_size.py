@@ -5,7 +5,7 @@ Two engines (the embedded SmolLM2-135M-Instruct, float32, max_model_len 1024, pr
 off) are built with kv_cache_memory_bytes 256 MiB and 1 GiB (364 and 1,456 blocks of 16
 tokens). Each gets the same 32 requests (random prompts of the same lengths, ignore_eos) and
 steps until all 32 are decoding; then the scheduler's next step (32 decode tokens, token
-bucket 64) is packed once and the engine's jitted step (runner._step: the AOT-compiled
+bucket 64) is packed once and the engine's jitted step (runner.forward: the AOT-compiled
 program with the pool donated) is timed alone, block_until_ready after each call, in rounds
 that alternate the two engines so machine noise hits both alike. Reported: the median step
 (ms) per pool and their ratio. Control: the same step jitted WITHOUT donation on the large pool
@@ -41,29 +41,24 @@ def decoding_engine(pool_bytes, prompts, seed):
 
 def decode_step(llm):
     """The packed inputs of the next step (all decodes) and a function running the jitted step."""
-    from jaxkv.runner.buckets import num_rows, pick_bucket
-    from jaxkv.runner.step_input import build_step_input
     eng = llm.llm_engine
     out, runner = eng.scheduler.schedule(), eng.runner
     assert len(out.scheduled) == BATCH and out.total_num_scheduled_tokens == BATCH, "not a pure decode step"
-    t = pick_bucket(runner.token_buckets, out.total_num_scheduled_tokens)
-    si = build_step_input(out, block_size=runner.block_size, num_tokens=t,
-                          rows=num_rows(t, runner.max_num_seqs), max_blocks=runner.max_blocks)
+    si = runner.build_inputs(out)
     ctx = int(si.seq_lens.sum())
 
     def run():  # rewrites the same slots every call: the pool's contents do not matter here
         t0 = time.perf_counter()
-        hidden, runner.kv_cache = runner._step(runner.params, runner.kv_cache, si.input_ids, si.attn_arrays)
-        jax.block_until_ready(hidden)
+        jax.block_until_ready(runner.forward(si))
         return time.perf_counter() - t0
 
     def copied():  # control: the same step without donation (a fresh pool each call)
         t0 = time.perf_counter()
-        hidden, kv = nodonate(runner.params, runner.kv_cache, si.input_ids, si.attn_arrays)
+        hidden, kv = nodonate(runner.params, runner.kv_cache, si)
         jax.block_until_ready((hidden, kv))
         return time.perf_counter() - t0
-    nodonate = jax.jit(runner._forward)
-    return run, copied, ctx, t
+    nodonate = jax.jit(runner.step_fn)
+    return run, copied, ctx, si.num_tokens
 
 
 def main():

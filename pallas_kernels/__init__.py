@@ -1,8 +1,9 @@
-"""Paged-attention kernels (Pallas, Triton lowering) and the pure-jnp references they must equal.
+"""Paged-attention kernels (Pallas, Triton lowering) and the oracle they must equal.
 
 paged_attention: decode-only (one query token per sequence). ragged_paged_attention: prefill
 chunks and decodes in one call, with the semantics of reference.ragged_paged_attention_reference
-(jaxkv's XLA path). Both run natively on an NVIDIA GPU, and with interpret=True on a CPU.
+(a short dense-gather oracle). Both run natively on an NVIDIA GPU, and with interpret=True on a
+CPU.
 """
 
 from pallas_kernels.paged_attention import paged_attention

@@ -1,255 +1,60 @@
-"""Pure-jnp paged attention: jaxkv's XLA path, and what the Pallas kernels are tested against.
+"""The oracle: ragged paged attention written to be obviously correct, not fast.
 
 Semantics follow vLLM's ragged (varlen) paged attention as used by its V1 attention backends:
 the query tokens of sequence s are rows query_start_loc[s] .. query_start_loc[s+1] and are the
-LAST positions of its seq_lens[s]-token context, causal among themselves.
+LAST positions of its seq_lens[s]-token context, causal among themselves. Both Pallas kernels
+and jaxkv's XLA path (jaxkv/attention/xla_ragged.py) are tested against this function.
 
-How it computes: every key is read back from the pool (write_kv has stored this step's K/V),
-in chunks of CHUNK_TOKENS keys, all in float32 with one online softmax (Milakov & Gimelshein
-2018; FlashAttention, Dao et al. 2022). Rows take one of two paths:
-  - segment path: a sequence with more than one query token (a prefill chunk) is cut into
-    segments of SEGMENT_ROWS query rows, as FlashAttention-2's varlen tiling (Dao
-    2023) does; a segment gathers its sequence's keys once per chunk, up to its last row's
-    position (causal chunks past that are never visited), and attends with GEMMs, so a long
-    chunk over a long cached prefix costs GEMMs, not a copy of the context per query row;
-  - per-row path: a decode row (one query token) gathers its own context, with a trip count
-    set by the longest such context. In a step of more than max_num_seqs rows the decode rows
-    (at most one per sequence) are packed into max_num_seqs slots wherever they sit, so a
-    step that mixes decodes with a 512-token chunk gathers for max_num_seqs rows, not 512.
+How: gather every sequence's whole context through its block table, give each query row its
+sequence's keys, mask keys past the row's position, softmax in float32. Memory is
+num_tokens x max_blocks x block_size x num_kv_heads x head_dim: for tests and smoke checks.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-CHUNK_TOKENS = 128
-SEGMENT_ROWS = 32  # query rows of one sequence that share one gather of its keys
-
-
-def _merge(state, s, v, bias):
-    """Online-softmax update of (m, l, acc) with scores s [T, K, G, C], additive 0/-inf mask
-    bias [T, 1, 1, C] and per-row values v [T, C, K, D]."""
-    m, l, acc = state
-    s = s + bias
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - m_safe[..., None])
-    alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-    pv = jnp.einsum("tkgc,tckd->tkgd", p, v)
-    return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
-
-
-def _dense_tile(qf, k, v, bias):
-    """Softmax pieces (m, l, acc) of rows qf [T, K, G, D] over shared keys k/v [S, K, D] with
-    an additive 0/-inf mask bias [T, S]; KV-head-major so both products are plain batched
-    GEMMs. (A boolean select in place of the bias runs 3-4x slower on XLA:CPU.)"""
-    t, nk, g, d = qf.shape
-    bias = bias[None, :, None, :]
-    qk = qf.transpose(1, 0, 2, 3).reshape(nk, t * g, d)
-    s = jnp.einsum("kqd,ksd->kqs", qk, k.transpose(1, 0, 2)).reshape(nk, t, g, -1) + bias
-    m = jnp.max(s, axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
-    acc = jnp.einsum("kqs,ksd->kqd", p.reshape(nk, t * g, -1), v.transpose(1, 0, 2))
-    return (m.transpose(1, 0, 2), jnp.sum(p, axis=-1).transpose(1, 0, 2),
-            acc.reshape(nk, t, g, d).transpose(1, 0, 2, 3))
-
-
-def _combine(a, b):
-    """Merge two partial softmax states (m, l, acc) over disjoint key sets."""
-    m = jnp.maximum(a[0], b[0])
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    wa = jnp.where(jnp.isfinite(a[0]), jnp.exp(a[0] - m_safe), 0.0)
-    wb = jnp.where(jnp.isfinite(b[0]), jnp.exp(b[0] - m_safe), 0.0)
-    return m, wa * a[1] + wb * b[1], wa[..., None] * a[2] + wb[..., None] * b[2]
-
-
-class RaggedMetadata(NamedTuple):
-    """Per-row facts of one step, shared by every layer (computed once per step)."""
-    row_idx: jax.Array     # int32 [P]: rows of the per-row loop: all T (P = T <= max_seqs) or
-    #                        the decode rows packed (P = max_seqs; T marks an unused slot)
-    tables: jax.Array      # int32 [P, max_blocks + chunk_blocks]: their block tables
-    ctx: jax.Array         # int32 [P]: keys each sees: its position + 1 for a decode row,
-    #                        0 for segmented, padding and unused slots
-    pos: jax.Array         # int32 [T]: the row's absolute position
-    valid: jax.Array       # bool [T]
-    seq_id: jax.Array      # int32 [T]: the row's sequence
-    seg_tables: jax.Array  # int32 [max_seqs, max_blocks + chunk_blocks]
-    seg_seq: jax.Array     # int32 [S]: sequence of segment j
-    seg_row: jax.Array     # int32 [S]: its first query row
-    seg_ctx: jax.Array     # int32 [S]: keys its last row sees (the inner trip count's bound)
-    num_segments: jax.Array  # int32 []: how many of the S segments are real
-
-
-def ragged_metadata(num_tokens: int, block_size: int, block_tables, seq_lens, query_start_loc,
-                    num_seqs, *, chunk_tokens: int = CHUNK_TOKENS,
-                    segment_rows: int = SEGMENT_ROWS) -> RaggedMetadata:
-    """Row metadata of a step; arguments as in ragged_paged_attention_reference."""
-    max_seqs, max_blocks = block_tables.shape
-    cb = max(1, min(max_blocks, chunk_tokens // block_size))
-    r = _segment_size(segment_rows, num_tokens)
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    valid = rows < query_start_loc[num_seqs[0]]
-    seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], rows, side="right"), 0, max_seqs - 1)
-    q_len = query_start_loc[seq_id + 1] - query_start_loc[seq_id]
-    pos = seq_lens[seq_id] - q_len + (rows - query_start_loc[seq_id])  # absolute position
-    # Segments: ceil(q / r) per segmented sequence, numbered in sequence order.
-    seq_q = query_start_loc[1:] - query_start_loc[:-1]
-    segmented = (jnp.arange(max_seqs) < num_seqs[0]) & (seq_q >= 2)
-    nseg = jnp.where(segmented, (seq_q + r - 1) // r, 0)
-    ends = jnp.cumsum(nseg)
-    num_seg_max = num_tokens // r + min(max_seqs, num_tokens // 2) + 1
-    j = jnp.arange(num_seg_max, dtype=jnp.int32)
-    seg_seq = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, max_seqs - 1).astype(jnp.int32)
-    first = j - (ends - nseg)[seg_seq]  # the segment's index within its sequence
-    seg_row = query_start_loc[seg_seq] + first * r
-    seg_ctx = jnp.minimum(seq_lens[seg_seq], seq_lens[seg_seq] - seq_q[seg_seq] + (first + 1) * r)
-    decode = valid & ~segmented[seq_id]
-    if num_tokens <= max_seqs:
-        row_idx = rows
-    else:  # at most one decode row per sequence
-        row_idx = jnp.nonzero(decode, size=max_seqs, fill_value=num_tokens)[0].astype(jnp.int32)
-    at = jnp.minimum(row_idx, num_tokens - 1)
-    ctx = jnp.where((row_idx < num_tokens) & decode[at], pos[at] + 1, 0)
-    # Materialise the arrays: left to fusion, XLA:CPU recomputes them (searchsorted, gathers,
-    # compares) for every element of every loop that uses them, which made attention 3-4x
-    # slower (an optimization_barrier is expanded before fusion on CPU). A loop
-    # with a data-dependent trip count (1 if any row is real, else 0: everything masked) is a
-    # boundary XLA does not fuse through.
-    any_real = (query_start_loc[num_seqs[0]] > 0).astype(jnp.int32)
-    padded = jnp.pad(block_tables, ((0, 0), (0, cb)))  # a chunk may run past the last block
-    arrays = (row_idx, padded[seq_id[at]], ctx, pos, valid, seq_id.astype(jnp.int32), padded,
-              seg_seq, seg_row.astype(jnp.int32), seg_ctx.astype(jnp.int32),
-              ends[-1].astype(jnp.int32))
-    empty = tuple(jnp.zeros_like(a) for a in arrays)
-    return RaggedMetadata(*jax.lax.fori_loop(0, any_real, lambda i, _: arrays, empty))
-
-
-def _segment_size(segment_rows: int, num_tokens: int) -> int:
-    """Rows per segment: segment_rows, or the whole step when it is shorter."""
-    return max(1, min(segment_rows, num_tokens))
-
-
-def _empty_state(rows, nk, g, d):
-    return (jnp.full((rows, nk, g), -jnp.inf, jnp.float32), jnp.zeros((rows, nk, g), jnp.float32),
-            jnp.zeros((rows, nk, g, d), jnp.float32))
-
-
-def _row_attention(qf, k_cache, v_cache, layer, tables, ctx, cb, block_size):
-    """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys, gathered
-    per row from the pool in chunks of cb blocks; the trip count follows the longest ctx."""
-    rows, nk, g, d = qf.shape
-    ct = cb * block_size
-
-    def chunk(c, st):
-        blk = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)  # [R, cb]
-        k = k_cache[layer, blk].reshape(rows, ct, nk, d).astype(jnp.float32)
-        v = v_cache[layer, blk].reshape(rows, ct, nk, d).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
-        kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
-        bias = jnp.where(kpos[None, :] < ctx[:, None], 0.0, -jnp.inf)[:, None, None, :]
-        return _merge(st, s, v, bias)
-
-    return jax.lax.fori_loop(0, (jnp.max(ctx) + ct - 1) // ct, chunk, _empty_state(rows, nk, g, d))
-
-
-def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, seg_rows):
-    """The segment path: for each real segment, gather its sequence's keys once per chunk of
-    cb blocks, up to its last row, and attend its rows causally with GEMMs; the result
-    replaces those rows of state. Trip counts: the real segments, then each one's chunks."""
-    num_tokens, nk, g, d = qf.shape
-    ct = cb * block_size
-    r = _segment_size(seg_rows, num_tokens)
-
-    def segment(j, st):
-        s, start = md.seg_seq[j], md.seg_row[j]
-        lo = jnp.minimum(start, num_tokens - r)  # the last segment may end at the last row
-        rows = lo + jnp.arange(r, dtype=jnp.int32)
-        mine = (md.seq_id[rows] == s) & md.valid[rows] & (rows >= start)
-        last = jnp.where(mine, md.pos[rows], -1)  # the causal limit of each row
-        q = jax.lax.dynamic_slice_in_dim(qf, lo, r)
-        table = md.seg_tables[s]
-
-        def chunk(c, acc):
-            blk = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
-            k = k_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
-            v = v_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
-            kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
-            bias = jnp.where(kpos[None, :] <= last[:, None], 0.0, -jnp.inf)
-            return _combine(acc, _dense_tile(q, k, v, bias))
-
-        trips = (md.seg_ctx[j] + ct - 1) // ct
-        part = jax.lax.fori_loop(0, trips, chunk, _empty_state(r, nk, g, d))
-        out = []
-        for x, y in zip(st, part):
-            old = jax.lax.dynamic_slice_in_dim(x, lo, r)
-            keep = mine.reshape((r,) + (1,) * (x.ndim - 1))
-            out.append(jax.lax.dynamic_update_slice_in_dim(x, jnp.where(keep, y, old), lo, 0))
-        return tuple(out)
-
-    return jax.lax.fori_loop(0, md.num_segments, segment, state)
-
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                     num_seqs, *, scale: float, layer=None,
-                                     metadata: RaggedMetadata | None = None,
-                                     chunk_tokens: int = CHUNK_TOKENS,
-                                     segment_rows: int = SEGMENT_ROWS):
-    """Ragged paged attention over a block-paged KV pool.
+                                     num_seqs, *, scale: float, layer=None):
+    """Ragged paged attention over a block-paged KV pool (dense gather, float32 softmax).
 
     Args:
       q: [num_tokens, num_q_heads, head_dim] float.
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], or stacked
-        [num_layers, num_blocks, block_size, num_kv_heads, head_dim] with `layer` an int32
-        scalar (or Python int) choosing the layer inside the gathers; no layer is sliced out.
-        They must already hold this step's K/V (jaxkv.attention.write_kv runs first).
+        [num_layers, num_blocks, block_size, num_kv_heads, head_dim] with `layer` choosing one.
+        They already hold this step's K/V.
       block_tables: int32 [max_num_seqs, max_blocks]; row s maps sequence s's logical blocks
         to physical ones (padding entries point at the null block 0).
       seq_lens: int32 [max_num_seqs]: context length including this step's tokens; 0 = padding.
       query_start_loc: int32 [max_num_seqs + 1], non-decreasing; padding rows repeat the end.
       num_seqs: int32 [1]: how many rows of the per-sequence arrays are real.
       scale: softmax scale (usually head_dim ** -0.5).
-      metadata: ragged_metadata(...) of these arguments, when the caller shares it between
-        layers (it is computed here otherwise), made with the same chunk_tokens and
-        segment_rows.
-      chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
     """
-    if layer is None:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
     num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    md = metadata if metadata is not None else ragged_metadata(
-        num_tokens, block_size, block_tables, seq_lens, query_start_loc, num_seqs,
-        chunk_tokens=chunk_tokens, segment_rows=segment_rows)
-    cb = md.tables.shape[1] - block_tables.shape[1]  # blocks per key chunk
-    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_seqs, max_blocks = block_tables.shape
+    context = max_blocks * block_size
+    rows = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc[1:], rows, side="right"), 0, max_seqs - 1)
+    real = rows < query_start_loc[num_seqs[0]]
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    pos = seq_lens[seq] - q_len + rows - query_start_loc[seq]  # the row's absolute position
 
-    packed = md.row_idx.shape[0] < num_tokens
-    qr = qf[jnp.minimum(md.row_idx, num_tokens - 1)] if packed else qf
-    state = _row_attention(qr, k_cache, v_cache, layer, md.tables, md.ctx, cb, block_size)
-    if packed:  # back to their rows; unused slots (index T) are dropped
-        state = tuple(e.at[md.row_idx].set(x, mode="drop")
-                      for e, x in zip(_empty_state(num_tokens, num_kv_heads, group, head_dim),
-                                      state))
-    state = _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size,
-                               segment_rows)
-    _, l, acc = state
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    def gather(cache):  # [num_tokens, context, num_q_heads, head_dim]: each row's own context
+        ctx = cache[block_tables].reshape(max_seqs, context, num_kv_heads, head_dim)
+        return jnp.repeat(ctx[seq], num_heads // num_kv_heads, axis=2).astype(jnp.float32)
 
-
-def dense_causal_attention(q, k, v, *, scale: float):
-    """Plain causal attention for one sequence, for tests: q [T, H, D], k/v [T, KVH, D]."""
-    t, h, d = q.shape
-    g = h // k.shape[1]
-    k = jnp.repeat(k, g, axis=1).astype(jnp.float32)
-    v = jnp.repeat(v, g, axis=1).astype(jnp.float32)
-    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * scale
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], s, -jnp.inf)
-    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v).astype(q.dtype)
+    k, v = gather(k_cache), gather(v_cache)
+    s = jnp.einsum("thd,tchd->thc", q.astype(jnp.float32) * scale, k)
+    visible = jnp.arange(context)[None, :] <= pos[:, None]  # causal, and only this sequence
+    s = jnp.where(visible[:, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("thc,tchd->thd", p, v)
+    return jnp.where(real[:, None, None], out, 0.0).astype(q.dtype)

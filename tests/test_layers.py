@@ -16,6 +16,7 @@ FORBIDDEN = {
     "jaxkv.core": ("jaxkv.engine", "jaxkv.runner", "jaxkv.models", "jaxkv.loader", "jax", "flax"),
     "jaxkv.runner": ("jaxkv.engine", "jaxkv.core.request", "jaxkv.core.scheduler"),
     "jaxkv.models": ("jaxkv.engine", "jaxkv.runner", "jaxkv.core"),
+    "jaxkv.attention": ("jaxkv.engine", "jaxkv.runner", "jaxkv.core", "jaxkv.models"),
 }
 
 

@@ -38,6 +38,7 @@ def build_engine(cls, args):
 
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
+    from jaxkv.attention import get_attention
     from jaxkv.loader.source import load_checkpoint
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig
@@ -52,7 +53,7 @@ def build_engine(cls, args):
                                        model_config=ModelConfig.from_hf_config(ckpt.config),
                                        device_memory_bytes=device_memory_bytes(platform))
     mc, rc = config.model_config, config.runner
-    model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype), backend=rc.attention_backend)
+    model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype), attention=get_attention(rc.attention_backend))
     if args.load_format == "dummy":
         params = dummy_params(model, args.seed)
     else:

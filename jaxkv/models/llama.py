@@ -15,25 +15,14 @@ iteration copies its layer's weights out of the stack.)
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention import attention_metadata, paged_attention, write_kv
+from jaxkv.attention import Attention, get_attention, write_kv
 from jaxkv.models.model_config import ModelConfig
-
-
-class AttnMetadata(NamedTuple):
-    """Device arrays of one step (see jaxkv.runner.step_input.StepInput)."""
-    positions: jax.Array        # int32 [num_tokens]
-    slot_mapping: jax.Array     # int32 [num_tokens]
-    block_tables: jax.Array     # int32 [max_num_seqs, max_blocks]
-    seq_lens: jax.Array         # int32 [max_num_seqs]
-    query_start_loc: jax.Array  # int32 [max_num_seqs + 1]
-    num_seqs: jax.Array         # int32 [1]
+from jaxkv.step_input import StepInput
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -74,28 +63,20 @@ class RMSNorm(nn.Module):
         return w * xf.astype(self.dtype)
 
 
-class Linear(nn.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] (the transpose of torch's weight)."""
-    features: int
-    use_bias: bool
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x):
-        k = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
-        y = jnp.dot(x, k)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
+def Linear(features: int, use_bias: bool, dtype, name: str) -> nn.Dense:
+    """y = x @ kernel (+ bias), kernel [in, out] (the transpose of torch's weight), computed
+    and stored in the model's dtype."""
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
+                    kernel_init=nn.initializers.normal(0.02), name=name)
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
-    backend: str
+    attention: Attention
 
     @nn.compact
-    def __call__(self, carry, layer, rope, meta: AttnMetadata, attn_md=None):
+    def __call__(self, carry, layer, rope, step: StepInput, shared):
         x, k_cache, v_cache = carry
         c, dt = self.cfg, self.dtype
         t = x.shape[0]
@@ -111,10 +92,9 @@ class DecoderLayer(nn.Module):
             k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
-        o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                            meta.query_start_loc, meta.num_seqs, scale=c.head_dim ** -0.5,
-                            layer=layer, backend=self.backend, metadata=attn_md)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, step.slot_mapping, layer)
+        o = self.attention.attend(q, k_cache, v_cache, step, shared, layer=layer,
+                                  scale=c.head_dim ** -0.5)
         x = x + Linear(c.hidden_size, False, dt, name="o_proj")(o.reshape(t, -1))
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         g = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
@@ -124,40 +104,39 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """__call__(input_ids int32 [T], kv (k, v), meta) -> (hidden [T, hidden_size] after the final
-    norm, (k, v) updated). `logits(hidden)` -> float32 [rows, vocab_size]."""
+    """__call__(step: StepInput, kv (k, v)) -> (hidden [T, hidden_size] after the final norm,
+    (k, v) updated); `logits(hidden)` -> float32 [rows, vocab_size]. `attention`: the backend
+    chosen at engine build (jaxkv.attention.get_attention)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
-    backend: str = "xla"
+    attention: Attention = get_attention("xla")
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype, name="embed_tokens")
-        self.layers = [DecoderLayer(c, self.dtype, self.backend, name=f"layers_{i}")
+        self.layers = [DecoderLayer(c, self.dtype, self.attention, name=f"layers_{i}")
                        for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, self.dtype, name="lm_head")
         self.inv_freq = rope_inv_freq(c)
 
-    def __call__(self, input_ids, kv, meta: AttnMetadata):
-        x = self.embed_tokens(input_ids)
-        freqs = meta.positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq)[None]
+    def __call__(self, step: StepInput, kv):
+        x = self.embed_tokens(step.input_ids)
+        freqs = step.positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq)[None]
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         rope = (jnp.cos(emb), jnp.sin(emb))
         carry = (x, kv[0], kv[1])
-        attn_md = attention_metadata(input_ids.shape[0], kv[0].shape[2], meta.block_tables,
-                                     meta.seq_lens, meta.query_start_loc, meta.num_seqs,
-                                     backend=self.backend)
+        shared = self.attention.prepare(step, kv[0].shape[2])  # once per step, for every layer
         for i, layer in enumerate(self.layers):
-            carry, _ = layer(carry, i, rope, meta, attn_md)
+            carry, _ = layer(carry, i, rope, step, shared)
         x, k, v = carry
         return self.norm(x), (k, v)
 
-    def forward_and_logits(self, input_ids, kv, meta: AttnMetadata):
+    def forward_and_logits(self, step: StepInput, kv):
         """Both halves at once; used to create every parameter (lm_head included) at init."""
-        hidden, kv = self(input_ids, kv, meta)
+        hidden, kv = self(step, kv)
         return self.logits(hidden), kv
 
     def logits(self, hidden):

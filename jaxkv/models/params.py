@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.models.model_config import ModelConfig
+from jaxkv.step_input import StepInput
 
 _LAYER_MAP = {  # flax module -> (HF suffix, transpose)
     "input_layernorm": ("input_layernorm", False),
@@ -25,14 +26,12 @@ _LAYER_MAP = {  # flax module -> (HF suffix, transpose)
 
 def param_shapes(model) -> dict:
     """The parameter tree of `model` as jax.ShapeDtypeStruct, without allocating anything."""
-    from jaxkv.models.llama import AttnMetadata
     c = model.cfg
     kv = jax.ShapeDtypeStruct((c.num_layers, 2, 1, c.num_kv_heads, c.head_dim), model.dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    meta = AttnMetadata(i32(1), i32(1), i32(1, 1), i32(1), i32(2), i32(1))
-    shapes = jax.eval_shape(lambda ids, kv, meta: model.init(
-        jax.random.PRNGKey(0), ids, kv, meta, method=type(model).forward_and_logits),
-                            i32(1), (kv, kv), meta)
+    step = StepInput(i32(1), i32(1), i32(1), i32(1, 1), i32(1), i32(2), i32(1), i32(1))
+    shapes = jax.eval_shape(lambda step, kv: model.init(
+        jax.random.PRNGKey(0), step, kv, method=type(model).forward_and_logits), step, (kv, kv))
     return shapes["params"]
 
 

@@ -1,14 +1,16 @@
 """ModelRunner: owns the params and the KV pool, packs each step's arrays, runs the jitted step.
 
-The step `(params, kv_cache, input_ids, attn arrays) -> (hidden, kv_cache)` is ONE jitted
-function whose KV pool argument is donated, so XLA updates the pool in place; the pool is
-allocated once here and never copied or reallocated. Logits of each sequence's last row and
-sampling run in a second, small jitted function (`sample`), so sampler variants do not
-multiply the model's programs.
+The step `(params, kv_cache, StepInput) -> (hidden, kv_cache)` is ONE jitted function whose
+KV pool argument is donated, so XLA updates the pool in place; the pool is allocated once here
+and never copied or reallocated. It is compiled ahead of time per token bucket (and, for an
+attention backend with a decode kernel, per bucket once more for decode-only steps). Logits of
+each sequence's last row and sampling run in a second, small jitted function (`sample`), so
+sampler variants do not multiply the model's programs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -18,10 +20,12 @@ import numpy as np
 
 from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
-from jaxkv.models.llama import AttnMetadata, LlamaModel
+from jaxkv.models.llama import LlamaModel
 from jaxkv.runner import sampler as smp
 from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
-from jaxkv.runner.step_input import build_step_input
+from jaxkv.runner.compile_counter import CompileCounter
+from jaxkv.runner.input_builder import build_step_input
+from jaxkv.step_input import StepInput
 
 logger = logging.getLogger("jaxkv")
 
@@ -41,19 +45,23 @@ class ModelRunner:
         self.num_blocks = cc.num_blocks
         self.kv_cache = self._new_kv_cache()
         self.enforce_eager = enforce_eager = rc.enforce_eager
+        self.mark_decode_only = model.attention.uses_decode_only
+        self.compiles = CompileCounter()  # every program this runner's calls compile
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
-        self._step_jit = jit(self._forward, donate_argnums=(1,))
-        self._step_exe: dict[int, object] = {}  # token bucket -> compiled step (AOT)
+        # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated.
+        self.jitted_step = jit(self.step_fn, donate_argnums=(1,))
+        self._step_exe: dict[tuple[int, bool], object] = {}  # (bucket, decode_only) -> AOT step
         # The sampled rows are gathered by a small program of their own, so the sampler's
         # programs depend on the row count only (token buckets 64 and 512 share them).
         self._gather_rows = jit(lambda hidden, idx: hidden[idx])
         self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"))
         self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",))
-        self._jitted = [] if enforce_eager else [self._gather_rows, self._sample, self._prompt_lp]
 
     # ---- jitted bodies ------------------------------------------------------------------
-    def _forward(self, params, kv_cache, input_ids, attn):
-        return self.model.apply({"params": params}, input_ids, kv_cache, AttnMetadata(*attn))
+    def step_fn(self, params, kv_cache, step: StepInput):
+        """The model step, not jitted: (params, (K, V) pool, StepInput) -> (hidden
+        [T, hidden_size], pool with this step's K/V written)."""
+        return self.model.apply({"params": params}, step, kv_cache)
 
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
@@ -68,18 +76,33 @@ class ModelRunner:
     # ---- bookkeeping --------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
-        """Executables compiled for this runner's jitted functions (warmup included)."""
-        return len(self._step_exe) + sum(f._cache_size() for f in self._jitted)
+        """XLA programs this runner's calls compiled (or loaded from the persistent cache),
+        warmup included, as counted by JAX's public compile events."""
+        return self.compiles.programs
 
-    def _step(self, params, kv_cache, input_ids, attn):
-        """The jitted step for this token bucket, compiled ahead of time at warmup (or now)."""
+    def build_inputs(self, out: SchedulerOutput) -> StepInput:
+        """The StepInput of a SchedulerOutput, padded to its token bucket."""
+        t = pick_bucket(self.token_buckets, out.total_num_scheduled_tokens)
+        return build_step_input(out, block_size=self.block_size, num_tokens=t,
+                                rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
+                                mark_decode_only=self.mark_decode_only)
+
+    def forward(self, step: StepInput) -> jax.Array:
+        """Run the jitted step: write the step's K/V into the pool (donated, updated in place)
+        and return hidden float [T, hidden_size] (after the final norm). The step program of
+        (T, step.decode_only) is compiled ahead of time at warmup, or here on first use."""
+        with self.compiles:
+            hidden, self.kv_cache = self._run_step(self.params, self.kv_cache, step)
+        return hidden
+
+    def _run_step(self, params, kv_cache, step: StepInput):
         if self.enforce_eager:
-            return self._step_jit(params, kv_cache, input_ids, attn)
-        t = input_ids.shape[0]
-        exe = self._step_exe.get(t)
+            return self.jitted_step(params, kv_cache, step)
+        key = (step.num_tokens, step.decode_only)
+        exe = self._step_exe.get(key)
         if exe is None:
-            exe = self._step_exe[t] = self._step_jit.lower(params, kv_cache, input_ids, attn).compile()
-        return exe(params, kv_cache, input_ids, attn)
+            exe = self._step_exe[key] = self.jitted_step.lower(params, kv_cache, step).compile()
+        return exe(params, kv_cache, step)
 
     def _new_kv_cache(self):
         c = self.model.cfg
@@ -103,18 +126,17 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        total = out.total_num_scheduled_tokens
-        t = pick_bucket(self.token_buckets, total)
-        r = num_rows(t, self.max_num_seqs)
-        si = build_step_input(out, block_size=self.block_size, num_tokens=t, rows=r,
-                              max_blocks=self.max_blocks)
-        hidden, self.kv_cache = self._step(self.params, self.kv_cache, si.input_ids, si.attn_arrays)
+        """One step: inputs, the jitted step, then sampling (and prompt logprobs) of its rows."""
+        si = self.build_inputs(out)
+        hidden = self.forward(si)
         res = RunnerOutput()
-        rows = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
-        if rows:
-            self._sample_into(res, hidden, si.logits_indices, out, rows, r)
-        if any(s.prompt_logprob_targets for s in out.scheduled):
-            self._prompt_logprobs_into(res, hidden, si.query_start_loc, out, t)
+        with self.compiles:
+            rows = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
+            if rows:
+                self._sample_into(res, hidden, si.logits_indices, out, rows,
+                                  si.block_tables.shape[0])
+            if any(s.prompt_logprob_targets for s in out.scheduled):
+                self._prompt_logprobs_into(res, hidden, si.query_start_loc, out, si.num_tokens)
         return res
 
     def _sample_into(self, res, hidden, logits_indices, out, rows, r):
@@ -186,22 +208,23 @@ class ModelRunner:
 
     # ---- warmup -------------------------------------------------------------------------
     def warmup(self) -> tuple[float, int]:
-        """Compile every token bucket of the step and the greedy/random/filtered sampler for
-        every row count (min(bucket, max_num_seqs)). Returns (seconds, programs compiled)."""
+        """Compile every token bucket of the step (twice with a decode kernel: mixed and
+        decode-only) and the greedy/random/filtered sampler for every row count
+        (min(bucket, max_num_seqs)). Returns (seconds, programs compiled)."""
         t0, n0 = time.perf_counter(), self.num_compilations
         empty = SchedulerOutput([])
-        inputs = {t: build_step_input(empty, block_size=self.block_size, num_tokens=t,
-                                      rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks)
-                  for t in self.token_buckets}
-        for t in self.token_buckets:
-            si = inputs[t]
-            r = num_rows(t, self.max_num_seqs)
-            hidden, self.kv_cache = self._step(self.params, self.kv_cache, si.input_ids, si.attn_arrays)
-            s_arr = self._sampling_arrays(empty, r)
-            rows = self._gather_rows(hidden, si.logits_indices)
-            for mode in smp.MODES:
-                jax.block_until_ready(self._sample(self.params, rows, s_arr, None, mode=mode,
-                                                   num_logprobs=0))
+        with self.compiles:
+            for t in self.token_buckets:
+                r = num_rows(t, self.max_num_seqs)
+                si = build_step_input(empty, block_size=self.block_size, num_tokens=t, rows=r,
+                                      max_blocks=self.max_blocks)
+                for decode_only in ([False, True] if self.mark_decode_only else [False]):
+                    hidden = self.forward(dataclasses.replace(si, decode_only=decode_only))
+                s_arr = self._sampling_arrays(empty, r)
+                rows = self._gather_rows(hidden, si.logits_indices)
+                for mode in smp.MODES:
+                    jax.block_until_ready(self._sample(self.params, rows, s_arr, None, mode=mode,
+                                                       num_logprobs=0))
         return time.perf_counter() - t0, self.num_compilations - n0
 
 

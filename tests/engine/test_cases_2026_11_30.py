@@ -182,7 +182,7 @@ def test_c2_step_that_consumed_the_pool_then_raised(llm, llm_no_prefix_cache, mo
         engine.step()  # the survivor's prompt is computed and cached; it is decoding
     prompt = _unique_prompt(6, 60)
     engine.add_request("victim", prompt, SamplingParams(temperature=0, max_tokens=10))
-    _fail_once(monkeypatch, engine.runner, "_step", before_call=False)
+    _fail_once(monkeypatch, engine.runner, "_run_step", before_call=False)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     assert all(a.is_deleted() is False for a in engine.runner.kv_cache)

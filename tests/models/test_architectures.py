@@ -43,17 +43,11 @@ BLOCK = 4
 
 def run_paged(runner, ids, chunks, block_ids):
     """Feed `ids` in chunks of the given sizes; return logits [len(ids), vocab] from jaxkv."""
-    from jaxkv.runner.buckets import num_rows, pick_bucket
-    from jaxkv.runner.step_input import build_step_input
-
     rows, done = [], 0
     for n in chunks:
         s = ScheduledRequest("r", ids[done:done + n], done, block_ids, True, SamplingParams(), 0, 0, 0)
         out = SchedulerOutput([s])
-        t = pick_bucket(runner.token_buckets, n)
-        si = build_step_input(out, block_size=BLOCK, num_tokens=t, rows=num_rows(t, runner.max_num_seqs),
-                              max_blocks=runner.max_blocks)
-        hidden, runner.kv_cache = runner._step(runner.params, runner.kv_cache, si.input_ids, si.attn_arrays)
+        hidden = runner.forward(runner.build_inputs(out))
         rows.append(np.asarray(runner._logits(runner.params, hidden[:n])))
         done += n
     return np.concatenate(rows)

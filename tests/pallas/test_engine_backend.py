@@ -1,11 +1,11 @@
 """The engine with attention_backend="pallas" (interpret mode on this CPU) gives the xla
 backend's greedy outputs on the real embedded model; backend resolution; the decode-kernel
-dispatch of jaxkv.attention.paged_attention equals the ragged path."""
+dispatch of jaxkv.attention.pallas_attention equals the ragged path."""
 
 import numpy as np
 import pytest
 
-from jaxkv.attention import paged_attention, resolve_backend
+from jaxkv.attention import pallas_attention, resolve_backend
 from tests.helpers import assert_same_or_near_tie, margins_from_logprobs
 from tests.pallas.cases import Case, make_inputs
 
@@ -36,8 +36,13 @@ def test_pallas_engine_matches_xla_engine():
     ref = ref_llm.generate(PROMPTS, sp, use_tqdm=False)
     del ref_llm
     llm = LLM(attention_backend="pallas", **ENGINE)
-    assert llm.llm_engine.runner.model.backend == "pallas"
+    runner = llm.llm_engine.runner
+    assert runner.model.attention.name == "pallas"
+    seen, forward = [], runner.forward
+    runner.forward = lambda step: seen.append(step.decode_only) or forward(step)
     got = llm.generate(PROMPTS, sp, use_tqdm=False)
+    # Prefill steps ran the ragged kernel, the decode steps the decode kernel.
+    assert seen[0] is False and seen[-1] is True and seen.count(True) >= sp.max_tokens - 1
     for a, b in zip(got, ref):
         assert len(a.outputs[0].token_ids) == sp.max_tokens
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
@@ -48,9 +53,9 @@ def test_pallas_engine_matches_xla_engine():
 def test_decode_only_dispatch_equals_ragged(stacked):
     case = Case("decode", "bs+1", 3, 64, 16, "float32")
     inputs = make_inputs(case, 7, stacked=stacked, pad_rows=4, pad_seqs=2)
-    kw = dict(scale=64 ** -0.5, layer=inputs.layer, backend="pallas")
-    ragged = np.asarray(paged_attention(*inputs.args, **kw))
-    decode = np.asarray(paged_attention(*inputs.args, decode_only=True, **kw))
+    kw = dict(scale=64 ** -0.5, layer=inputs.layer)
+    ragged = np.asarray(pallas_attention(*inputs.args, **kw))
+    decode = np.asarray(pallas_attention(*inputs.args, decode_only=True, **kw))
     assert decode.shape == ragged.shape == inputs.ref.shape
     np.testing.assert_allclose(decode, ragged, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(decode, inputs.ref, rtol=1e-5, atol=1e-5)
@@ -70,6 +75,6 @@ def test_pallas_dispatch_handles_groups_wider_than_block_m():
     v = jnp.asarray(rng.standard_normal((4, 8, 1, 16)), jnp.float32)
     args = (q, k, v, jnp.array([[1, 2], [3, 0]], jnp.int32), jnp.array([10, 3], jnp.int32),
             jnp.array([0, 3, 4], jnp.int32), jnp.array([2], jnp.int32))
-    got = np.asarray(paged_attention(*args, scale=0.25, backend="pallas"))
+    got = np.asarray(pallas_attention(*args, scale=0.25))
     ref = np.asarray(ragged_paged_attention_reference(*args, scale=0.25))
     assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 1e-5

@@ -5,13 +5,13 @@ import numpy as np
 
 from jaxkv.core.scheduler_output import SchedulerOutput
 from jaxkv.runner.buckets import num_rows
-from jaxkv.runner.step_input import build_step_input
+from jaxkv.runner.input_builder import build_step_input
 
 
 def _memory(r, t, kv):
     si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=t,
                           rows=num_rows(t, r.max_num_seqs), max_blocks=r.max_blocks)
-    return r._step_jit.lower(r.params, kv, si.input_ids, si.attn_arrays).compile().memory_analysis()
+    return r.jitted_step.lower(r.params, kv, si).compile().memory_analysis()
 
 
 def test_step_updates_the_pool_in_place(llm):
@@ -31,7 +31,7 @@ def test_step_updates_the_pool_in_place(llm):
                           rows=num_rows(r.token_buckets[0], r.max_num_seqs), max_blocks=r.max_blocks)
     ptrs = [x.unsafe_buffer_pointer() for x in r.kv_cache]
     old = r.kv_cache
-    _, r.kv_cache = r._step(r.params, r.kv_cache, si.input_ids, si.attn_arrays)
+    r.forward(si)
     jax.block_until_ready(r.kv_cache)
     assert all(x.is_deleted() for x in old)
     assert [x.unsafe_buffer_pointer() for x in r.kv_cache] == ptrs

@@ -1,12 +1,31 @@
-"""pallas_kernels.reference: ragged paged attention against plain causal attention per sequence,
-with random non-contiguous block tables, mixed prefill chunks / decodes, and padding rows."""
+"""jaxkv's XLA attention path (jaxkv/attention/xla_ragged.py) and the oracle
+(pallas_kernels/reference.py), each against plain causal attention per sequence, with random
+non-contiguous block tables, mixed prefill chunks / decodes, and padding rows."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import dense_causal_attention, ragged_paged_attention_reference
+from jaxkv.attention.xla_ragged import xla_ragged_paged_attention
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+# The XLA path with small tiles (so the cases cross chunk and segment edges), and the oracle.
+IMPLS = {"xla": functools.partial(xla_ragged_paged_attention, chunk_tokens=32, segment_rows=8),
+         "oracle": ragged_paged_attention_reference}
+
+
+def dense_causal_attention(q, k, v, *, scale: float):
+    """Plain causal attention for one sequence: q [T, H, D], k/v [T, KVH, D]."""
+    t, h, d = q.shape
+    g = h // k.shape[1]
+    k = jnp.repeat(k, g, axis=1).astype(jnp.float32)
+    v = jnp.repeat(v, g, axis=1).astype(jnp.float32)
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * scale
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], s, -jnp.inf)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v).astype(q.dtype)
 
 
 def make_case(rng, ctx_lens, q_lens, *, block_size, num_kv_heads, group, head_dim, num_tokens,
@@ -52,30 +71,30 @@ CASES = [  # (context lengths, query lengths): decode-only, prefill-only, mixed,
 ]
 
 
+@pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("ctx,qlen", CASES)
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 3, 64), (8, 1, 32), (32, 8, 16)])
-def test_matches_dense_attention(ctx, qlen, block_size, group, head_dim):
+def test_matches_dense_attention(impl, ctx, qlen, block_size, group, head_dim):
     rng = np.random.default_rng(sum(ctx) + block_size)
     num_tokens = sum(qlen) + 3
     args, ref, n = make_case(rng, ctx, qlen, block_size=block_size, num_kv_heads=2, group=group,
                              head_dim=head_dim, num_tokens=num_tokens, max_seqs=6, layers=2)
-    f = jax.jit(lambda *a: ragged_paged_attention_reference(*a, scale=head_dim ** -0.5, layer=1,
-                                                            chunk_tokens=32,
-                                                            segment_rows=8))
+    f = jax.jit(lambda *a: IMPLS[impl](*a, scale=head_dim ** -0.5, layer=1))
     out = np.asarray(f(*args))
     err = np.max(np.abs(out[:n] - ref)) / np.max(np.abs(ref))
     assert err < 1e-5, err
     assert np.all(out[n:] == 0) and np.isfinite(out).all()
 
 
-def test_unstacked_pool_and_bf16():
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_unstacked_pool_and_bf16(impl):
     rng = np.random.default_rng(0)
     args, ref, n = make_case(rng, [50, 9], [10, 1], block_size=16, num_kv_heads=2, group=4,
                              head_dim=64, num_tokens=16, max_seqs=4)
     q, k, v, *rest = args
-    out = np.asarray(ragged_paged_attention_reference(q, k[0], v[0], *rest, scale=0.125))
+    out = np.asarray(IMPLS[impl](q, k[0], v[0], *rest, scale=0.125))
     assert np.max(np.abs(out[:n] - ref)) / np.max(np.abs(ref)) < 1e-5
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    outb = ragged_paged_attention_reference(qb, kb[0], vb[0], *rest, scale=0.125)
+    outb = IMPLS[impl](qb, kb[0], vb[0], *rest, scale=0.125)
     assert outb.dtype == jnp.bfloat16
     assert np.max(np.abs(np.asarray(outb[:n], np.float32) - ref)) / np.max(np.abs(ref)) < 2e-2

@@ -1,0 +1,114 @@
+"""Attention for the model: the slot-mapping K/V write, and the backend chosen once per engine.
+
+`get_attention(backend)` returns an `Attention` record built at engine build and held by the
+model (no backend string travels through the layers):
+  - "xla": jaxkv/attention/xla_ragged.py, ragged paged attention in pure jnp tuned for XLA;
+    its per-step row metadata is computed once (`prepare`) and shared by every layer.
+  - "pallas": the Pallas kernels of pallas_kernels/: the ragged kernel for steps with prefill
+    chunks, the decode kernel for decode-only steps (StepInput.decode_only, static, so each
+    token bucket has a decode program of its own). Native on a GPU; interpret mode elsewhere
+    (correct but slow: for tests, never for serving on a CPU).
+Both compute exactly pallas_kernels.reference.ragged_paged_attention_reference (the oracle
+they are tested against).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from pallas_kernels.paged_attention import paged_attention as decode_kernel
+from pallas_kernels.ragged_paged_attention import DEFAULT_BLOCK_M
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_kernel
+from pallas_kernels.validation import next_pow2
+
+from jaxkv.attention.xla_ragged import ragged_metadata, xla_ragged_paged_attention
+from jaxkv.engine_config import resolve_backend  # noqa: F401 - the engine's choice, re-exported
+from jaxkv.step_input import StepInput
+
+
+def pallas_interpret() -> bool:
+    """Whether the Pallas kernels must run in interpret mode: everywhere but on a GPU."""
+    return jax.default_backend() != "gpu"
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, layer):
+    """Write this step's K/V into the stacked pool at their slots.
+
+    k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim];
+    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: int32 [num_tokens],
+    slot = block_id * block_size + offset (padding rows point into the null block 0);
+    layer: int32 scalar. Returns the updated (k_cache, v_cache): an in-place scatter when the
+    pool is donated.
+    """
+    block_size = k_cache.shape[2]
+    blk, off = slot_mapping // block_size, slot_mapping % block_size
+    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache
+
+
+def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
+                     scale: float, layer=None, decode_only: bool = False):
+    """The Pallas kernels behind the oracle's signature (q [num_tokens, num_q_heads, head_dim]
+    -> the same shape; pools stacked with `layer`, or one layer's). The ragged kernel, or, when
+    the caller promises (static `decode_only`) that every real sequence has exactly one query
+    row, so that row s is sequence s, the decode kernel. Rows past the last real sequence are
+    zeros either way."""
+    interpret = pallas_interpret()
+    if not decode_only:
+        group = q.shape[1] // k_cache.shape[-2]  # a tile holds at least one token's group
+        return ragged_kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                             num_seqs, scale=scale, layer=layer, interpret=interpret,
+                             block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
+    rows = min(q.shape[0], block_tables.shape[0])
+    lens = jnp.where(jnp.arange(rows) < num_seqs[0], seq_lens[:rows], 0)  # padding rows -> 0
+    out = decode_kernel(q[:rows], k_cache, v_cache, block_tables[:rows], lens,
+                        scale=scale, layer=layer, interpret=interpret)
+    return jnp.pad(out, ((0, q.shape[0] - rows), (0, 0), (0, 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """An attention backend. `prepare(step, block_size)` runs once per step (inside the jitted
+    step) and returns what every layer shares; `attend(q, k_cache, v_cache, step, shared, *,
+    layer, scale)` -> [num_tokens, num_q_heads, head_dim] for stacked pools and a layer index.
+    `uses_decode_only`: whether the runner should mark decode-only steps (each such step shape
+    is then a program of its own)."""
+    name: str
+    prepare: Callable[[StepInput, int], Any]
+    attend: Callable[..., jax.Array]
+    uses_decode_only: bool
+
+
+def _xla_prepare(step: StepInput, block_size: int):
+    return ragged_metadata(step.num_tokens, block_size, step.block_tables, step.seq_lens,
+                           step.query_start_loc, step.num_seqs)
+
+
+def _xla_attend(q, k_cache, v_cache, step: StepInput, shared, *, layer, scale):
+    return xla_ragged_paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+                                      step.query_start_loc, step.num_seqs, scale=scale,
+                                      layer=layer, metadata=shared)
+
+
+def _pallas_attend(q, k_cache, v_cache, step: StepInput, shared, *, layer, scale):
+    return pallas_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+                            step.query_start_loc, step.num_seqs, scale=scale, layer=layer,
+                            decode_only=step.decode_only)
+
+
+_BACKENDS = {
+    "xla": Attention("xla", _xla_prepare, _xla_attend, uses_decode_only=False),
+    "pallas": Attention("pallas", lambda step, block_size: None, _pallas_attend,
+                        uses_decode_only=True),
+}
+
+
+def get_attention(backend: str) -> Attention:
+    """The Attention of a resolved backend name ("xla" | "pallas"); ValueError otherwise."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"attention backend must be 'xla' or 'pallas', got {backend!r}")
+    return _BACKENDS[backend]

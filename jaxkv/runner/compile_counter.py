@@ -1,0 +1,43 @@
+"""Count the XLA programs a block of code compiles, from JAX's public monitoring events.
+
+JAX records `/jax/core/compile/backend_compile_duration` (jax.monitoring) each time it builds
+an executable, from scratch or from the persistent compilation cache. One process-wide listener
+credits each event to the innermost `CompileCounter` open on the thread that compiled.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_local = threading.local()
+
+
+def _on_duration(event: str, seconds: float, **kwargs) -> None:
+    counter = getattr(_local, "counter", None)
+    if counter is not None and event == BACKEND_COMPILE_EVENT:
+        counter.programs += 1
+        counter.seconds += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+class CompileCounter:
+    """`with counter:` credits the programs compiled inside to `programs` (int) and their
+    compile (or cache-load) time to `seconds` (float). Re-entrant; nests per thread."""
+
+    def __init__(self):
+        self.programs = 0
+        self.seconds = 0.0
+        self._outer: list = []
+
+    def __enter__(self) -> CompileCounter:
+        self._outer.append(getattr(_local, "counter", None))
+        _local.counter = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _local.counter = self._outer.pop()

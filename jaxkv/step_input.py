@@ -1,0 +1,43 @@
+"""StepInput: the one device record of a step, a registered JAX pytree.
+
+The runner builds it on the host from a SchedulerOutput (jaxkv/runner/input_builder.py,
+numpy only) and passes it straight into the jitted step; the model and the attention backend
+read its fields. `decode_only` is static (a pytree meta field): a step whose every sequence has
+exactly one query token compiles its own program per token bucket, so the attention backend
+can pick its decode kernel at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+Array = jax.Array | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """All int32. T = token bucket, R = sequence rows (min(T, max_num_seqs)), B = blocks of a
+    max_model_len sequence. Padding token rows: id 0, position 0, slot 0 (the null block);
+    padding sequence rows: seq_len 0, table entries 0, query_start_loc repeating the end."""
+    input_ids: Array        # [T] token ids of this step's query rows
+    positions: Array        # [T] absolute position of each row
+    slot_mapping: Array     # [T] slot = block_id * block_size + offset where the row's K/V goes
+    block_tables: Array     # [R, B] physical block ids of each sequence's logical blocks
+    seq_lens: Array         # [R] context length including this step's tokens (0 = padding)
+    query_start_loc: Array  # [R + 1] first row of each sequence; cumulative query lengths
+    num_seqs: Array         # [1] real sequence rows
+    logits_indices: Array   # [R] each sequence's last row (the one sampled)
+    decode_only: bool = False  # static: every real sequence has exactly one query row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+jax.tree_util.register_dataclass(
+    StepInput,
+    data_fields=[f.name for f in dataclasses.fields(StepInput) if f.name != "decode_only"],
+    meta_fields=["decode_only"])
