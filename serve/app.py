@@ -16,6 +16,7 @@ from serve.completions import create_completion
 from serve.context import ServerContext
 from serve.errors import APIError, error_body, install_error_handlers
 from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from serve.protocol_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -97,11 +98,9 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "jaxkv",
-                "root": ctx.model_path or ctx.model_name, "parent": None}
-        if ctx.ready:
-            card["max_model_len"] = ctx.engine.max_model_len
-        return {"object": "list", "data": [card]}
+        card = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_path or ctx.model_name,
+                         max_model_len=ctx.engine.max_model_len if ctx.ready else None)
+        return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -127,7 +126,7 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
                 ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate
                 raise APIError(f"prompt: the text cannot be encoded ({e})"[:300], 400, "prompt") from e
-        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
+        return TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids).model_dump()
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -137,7 +136,7 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
-        return {"prompt": eng.get_tokenizer().decode(req.tokens)}
+        return DetokenizeResponse(prompt=eng.get_tokenizer().decode(req.tokens)).model_dump()
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -18,7 +18,12 @@ from jaxkv import chat_utils
 from serve.context import OUTPUT_KIND, ServerContext
 from serve.errors import APIError, bad_request
 from serve.protocol import ChatCompletionRequest
+from serve.protocol_responses import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                      ChatCompletionLogProbsContent, ChatCompletionResponse,
+                                      ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                      ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo)
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
+from serve.usage import UsageAccumulator
 
 
 def render_chat(tokenizer, req) -> dict:
@@ -55,15 +60,15 @@ def token_bytes(text: str | None) -> list[int]:
     return list((text or "").encode())
 
 
-def _logprob_content(entries, token_ids, k: int) -> list[dict]:
+def _logprob_content(entries, token_ids, k: int) -> list[ChatCompletionLogProbsContent]:
     out = []
     for tid, d in zip(token_ids, entries):
         lp = d[tid]
         top = sorted(d.values(), key=lambda x: x.rank or 0)[:k]
-        out.append({"token": lp.decoded_token, "logprob": lp.logprob,
-                    "bytes": token_bytes(lp.decoded_token),
-                    "top_logprobs": [{"token": x.decoded_token, "logprob": x.logprob,
-                                      "bytes": token_bytes(x.decoded_token)} for x in top]})
+        out.append(ChatCompletionLogProbsContent(
+            token=lp.decoded_token, logprob=lp.logprob, bytes=token_bytes(lp.decoded_token),
+            top_logprobs=[ChatCompletionLogProb(token=x.decoded_token, logprob=x.logprob,
+                                                bytes=token_bytes(x.decoded_token)) for x in top]))
     return out
 
 
@@ -88,66 +93,58 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     batch = RequestBatch(ctx.engine, rid)
     batch.add([prompt], params)
-    created, usage = int(time.time()), {}
+    created, usage = int(time.time()), UsageAccumulator()
 
-    def lp_block(c):
+    def lp_block(c) -> ChatCompletionLogProbs | None:
         if k is None:
             return None
-        return {"content": _logprob_content(c.logprobs or [], c.token_ids, k)}
+        return ChatCompletionLogProbs(content=_logprob_content(c.logprobs or [], c.token_ids, k))
 
-    def count(out):
-        if out.finished:
-            p = len(out.prompt_token_ids)
-            usage.update(prompt_tokens=p, prompt_tokens_details={"cached_tokens": out.num_cached_tokens})
-        usage["completion_tokens"] = usage.get("completion_tokens", 0) + sum(len(c.token_ids) for c in out.outputs)
-
-    def usage_body():
-        p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": usage.get("prompt_tokens_details", {"cached_tokens": 0})}
-
-    base = {"id": rid, "created": created, "model": ctx.model_name}
     if req.stream:
-        chunk = {**base, "object": "chat.completion.chunk"}
+        def chunk(choices, usage_info: UsageInfo | None = None) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=rid, created=created, model=ctx.model_name,
+                                                choices=choices, usage=usage_info)
 
-        def one(index, delta, logprobs=None, finish=None, stop_reason=None):
-            return {**chunk, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                          "finish_reason": finish, "stop_reason": stop_reason}]}
+        def one(index, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None):
+            return chunk([ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                             finish_reason=finish, stop_reason=stop_reason)])
 
         async def chunks():
             # OpenAI's order per choice: the role, then content chunks (finish_reason null),
             # then one chunk with an empty delta that carries the finish_reason.
             started = set()
             async for _, out in batch.merged():
-                count(out)
+                usage.add(out)
                 for c in out.outputs:
                     if c.index not in started:
                         started.add(c.index)
-                        yield one(c.index, {"role": role, "content": ""})
+                        yield one(c.index, DeltaMessage(role=role, content=""))
                         if echo:
-                            yield one(c.index, {"content": echo})
+                            yield one(c.index, DeltaMessage(content=echo))
                     lp = lp_block(c)
-                    if c.text or (lp and lp["content"]):
-                        yield one(c.index, {"content": c.text} if c.text else {}, lp)
+                    if c.text or (lp is not None and lp.content):
+                        yield one(c.index, DeltaMessage(content=c.text or None), lp)
                     if c.finish_reason is not None:
-                        yield one(c.index, {}, None, c.finish_reason, c.stop_reason)
+                        yield one(c.index, DeltaMessage(), None, c.finish_reason, c.stop_reason)
             if req.stream_options and req.stream_options.include_usage:
-                yield {**chunk, "choices": [], "usage": usage_body()}
+                yield chunk([], usage.info())
         return SSEResponse(sse_events(batch, chunks()))
 
     async def collect():
-        choices: dict[int, dict] = {}
+        choices: dict[int, ChatCompletionResponseChoice] = {}
         async for _, out in batch.merged():
-            count(out)
+            usage.add(out)
             for c in out.outputs:
-                ch = choices.setdefault(c.index, {"index": c.index, "message": {"role": role, "content": echo},
-                                                  "logprobs": None if k is None else {"content": []},
-                                                  "finish_reason": None, "stop_reason": None})
-                ch["message"]["content"] += c.text
+                ch = choices.get(c.index)
+                if ch is None:
+                    ch = choices[c.index] = ChatCompletionResponseChoice(
+                        index=c.index, message=ChatMessage(role=role, content=echo),
+                        logprobs=None if k is None else ChatCompletionLogProbs(content=[]))
+                ch.message.content += c.text
                 if k is not None:
-                    ch["logprobs"]["content"] += lp_block(c)["content"]
-                ch["finish_reason"], ch["stop_reason"] = c.finish_reason, c.stop_reason
-        return {**base, "object": "chat.completion", "choices": [choices[i] for i in sorted(choices)],
-                "usage": usage_body()}
+                    ch.logprobs.content += lp_block(c).content
+                ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+        return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, usage=usage.info(),
+                                      choices=[choices[i] for i in sorted(choices)]).model_dump()
 
     return await collect_or_abort(raw, batch, collect())

@@ -15,7 +15,10 @@ from serve.chat import token_bytes
 from serve.context import OUTPUT_KIND, ServerContext
 from serve.errors import APIError, bad_request
 from serve.protocol import CompletionRequest
+from serve.protocol_responses import (CompletionLogProbs, CompletionResponse, CompletionResponseChoice,
+                                      CompletionStreamResponse, UsageInfo)
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
+from serve.usage import UsageAccumulator
 
 
 def _prompts(req: CompletionRequest, tokenizer) -> list:
@@ -53,26 +56,27 @@ class _TextOffset:
         return at
 
 
-def _logprobs_block(entries, token_ids, offset: _TextOffset, k: int | None, token_text) -> dict:
-    """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
-    these tokens, their text continuing at `offset` (advanced here).
+def _logprobs_block(entries, token_ids, offset: _TextOffset, k: int | None, token_text) -> CompletionLogProbs:
+    """OpenAI completions logprobs of these tokens, their text continuing at `offset`
+    (advanced here).
     Tokens are shown by their Logprob.decoded_token, unique per token: a token that holds
     part of a character reads `bytes:\\xNN...` (as vLLM), so no top_logprobs entry is lost
     to another with the same text."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    tokens, token_lps, tops, offsets = [], [], [], []
     for tid, d in zip(token_ids, entries):
         if d is None:  # the first prompt token has no logprob (vLLM: its text, then nulls)
-            out["tokens"].append(token_text(tid))
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
+            tokens.append(token_text(tid))
+            token_lps.append(None)
+            tops.append(None)
         else:
             lp = d[tid]
-            out["tokens"].append(lp.decoded_token)
-            out["token_logprobs"].append(lp.logprob)
+            tokens.append(lp.decoded_token)
+            token_lps.append(lp.logprob)
             top = sorted(d.values(), key=lambda x: x.rank or 0)
-            out["top_logprobs"].append({x.decoded_token: x.logprob for x in top[: (k or 0) + 1]})
-        out["text_offset"].append(offset.take(out["tokens"][-1] or ""))
-    return out
+            tops.append({x.decoded_token: x.logprob for x in top[: (k or 0) + 1]})
+        offsets.append(offset.take(tokens[-1] or ""))
+    return CompletionLogProbs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops,
+                              text_offset=offsets)
 
 
 async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
@@ -96,9 +100,10 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     tok = ctx.engine.get_tokenizer()
     token_text = ctx.engine.engine.output_processor.token_text
     prompt_text = [pr[0] if pr[0] is not None else tok.decode(pr[1]) for pr in batch.processed]
-    state = {"usage": [0, 0, 0], "echoed": set(), "prompt_lp": {}, "offset": {}}
+    state = {"echoed": set(), "prompt_lp": {}, "offset": {}}
+    usage = UsageAccumulator()
 
-    def choice(i, out, c):
+    def choice(i, out, c) -> CompletionResponseChoice:
         idx = i * n + c.index
         first = idx not in state["echoed"]
         state["echoed"].add(idx)
@@ -112,55 +117,46 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
                 entries = list(state["prompt_lp"][i]) + entries
             lp = _logprobs_block(entries, ids, state["offset"].setdefault(idx, _TextOffset()),
                                  req.logprobs, token_text)
-        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        return CompletionResponseChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason)
 
-    def count(out):
-        u = state["usage"]
-        u[1] += sum(len(c.token_ids) for c in out.outputs)
-        if out.finished:
-            u[0] += len(out.prompt_token_ids)
-            u[2] += out.num_cached_tokens
-
-    def usage():
-        p, c, cached = state["usage"]
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
     if req.stream:
+        def chunk(choices, usage_info: UsageInfo | None = None) -> CompletionStreamResponse:
+            return CompletionStreamResponse(id=rid, created=created, model=ctx.model_name,
+                                            choices=choices, usage=usage_info)
+
         async def chunks():
             # OpenAI's order per choice: text chunks (finish_reason null), then one chunk
             # with empty text that carries the finish_reason.
             async for i, out in batch.merged():
-                count(out)
+                usage.add(out)
                 for c in out.outputs:
                     ch = choice(i, out, c)
-                    finish = ch["finish_reason"], ch["stop_reason"]
-                    if ch["text"] or (ch["logprobs"] and ch["logprobs"]["tokens"]):
-                        yield {**base, "choices": [{**ch, "finish_reason": None, "stop_reason": None}]}
-                    if finish[0] is not None:
-                        yield {**base, "choices": [{"index": ch["index"], "text": "", "logprobs": None,
-                                                    "finish_reason": finish[0], "stop_reason": finish[1]}]}
+                    if ch.text or (ch.logprobs is not None and ch.logprobs.tokens):
+                        yield chunk([ch.model_copy(update={"finish_reason": None, "stop_reason": None})])
+                    if ch.finish_reason is not None:
+                        yield chunk([CompletionResponseChoice(
+                            index=ch.index, text="", finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)])
             if req.stream_options and req.stream_options.include_usage:
-                yield {**base, "choices": [], "usage": usage()}
+                yield chunk([], usage.info())
         return SSEResponse(sse_events(batch, chunks()))
 
     async def collect():
-        texts: dict[int, dict] = {}
+        texts: dict[int, CompletionResponseChoice] = {}
         async for i, out in batch.merged():
-            count(out)
+            usage.add(out)
             for c in out.outputs:
                 ch = choice(i, out, c)
-                prev = texts.get(ch["index"])
+                prev = texts.get(ch.index)
                 if prev is None:
-                    texts[ch["index"]] = ch
+                    texts[ch.index] = ch
                     continue
-                prev["text"] += ch["text"]
-                prev["finish_reason"], prev["stop_reason"] = ch["finish_reason"], ch["stop_reason"]
-                if ch["logprobs"] is not None:
+                prev.text += ch.text
+                prev.finish_reason, prev.stop_reason = ch.finish_reason, ch.stop_reason
+                if ch.logprobs is not None:
                     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                        prev["logprobs"][key] += ch["logprobs"][key]
-        return {**base, "choices": [texts[k] for k in sorted(texts)], "usage": usage()}
+                        getattr(prev.logprobs, key).extend(getattr(ch.logprobs, key))
+        return CompletionResponse(id=rid, created=created, model=ctx.model_name, usage=usage.info(),
+                                  choices=[texts[k] for k in sorted(texts)]).model_dump()
 
     return await collect_or_abort(raw, batch, collect())

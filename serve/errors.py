@@ -1,6 +1,7 @@
 """OpenAI-style error bodies, and the handlers that turn every client mistake into a 4xx.
 
-Body (OpenAI's shape, with vLLM's type names and the status code as `code`):
+Body (protocol_responses.ErrorResponse: OpenAI's shape, with vLLM's type names and the status
+code as `code`):
     {"error": {"message": str, "type": "BadRequestError" | ..., "param": str | null, "code": int}}
 """
 
@@ -13,6 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.protocol_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("jaxkv")
 
@@ -30,8 +33,8 @@ class APIError(Exception):
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "BadRequestError"),
-                      "param": param, "code": status}}
+    return ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "BadRequestError"),
+                                         param=param, code=status)).model_dump()
 
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:

@@ -4,8 +4,8 @@ Field names, defaults and ranges follow OpenAI's API reference and vLLM's
 ``vllm.entrypoints.openai.protocol``. Unknown fields are ignored with a warning in the log (as
 vLLM does), so clients that send newer OpenAI fields keep working; but a field of vLLM's or
 OpenAI's API that would change the output and that jaxkv does not implement (UNSUPPORTED) is
-answered with 400 naming it, never silently dropped. Responses are built as plain dicts in
-serve/completions.py and serve/chat.py; their shapes are OpenAI's.
+answered with 400 naming it, never silently dropped. Response bodies are in
+serve/protocol_responses.py.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class TextPart(_Base):
     text: StrictStr
 
 
-class ChatMessage(_Base):
+class ChatCompletionMessageParam(_Base):
+    """One message of a chat request (the reply's message is protocol_responses.ChatMessage)."""
     role: Literal["system", "developer", "user", "assistant"]
     # Parts are checked by jaxkv.chat_utils, whose errors name the part (messages[0].content[1]).
     content: Union[StrictStr, list[dict], None] = None
@@ -123,7 +124,7 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
-    messages: list[ChatMessage]
+    messages: list[ChatCompletionMessageParam]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -140,7 +141,7 @@ class TokenizeRequest(_Base):
     """POST /tokenize: either a prompt or chat messages (vLLM's schema)."""
     model: str | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatCompletionMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -8,6 +8,7 @@ import json
 import logging
 from typing import AsyncIterator
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
@@ -110,12 +111,13 @@ def check_unsupported(req, chat: bool = False) -> None:
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
-def sse(obj) -> str:
-    """One Server-Sent Event carrying obj as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def sse(obj: BaseModel | dict) -> str:
+    """One Server-Sent Event carrying obj (a response model, or its dict) as JSON."""
+    data = obj.model_dump() if isinstance(obj, BaseModel) else obj
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def sse_events(batch: RequestBatch, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def sse_events(batch: RequestBatch, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """`data: {chunk}` lines, then `data: [DONE]`. An engine failure after the headers went
     out becomes an error event; leaving early (client gone) aborts the batch."""
     try:
