@@ -12,10 +12,10 @@ When the window's text ends in U+FFFD, the last token ends inside a multi-byte U
 character; nothing is emitted and the offsets stay put until a later token completes it.
 
 For a Hugging Face fast tokenizer (the usual case) the window is the `tokenizers` library's
-``DecodeStream``, which keeps exactly these offsets in Rust (``_StreamDecoder``). Our own
-window on token strings (``_WindowDecoder``) stays for tokenizers without a Rust backend, for
+``DecodeStream``, which keeps exactly these offsets in Rust (``StreamDecoder``). Our own
+window on token strings (``WindowDecoder``) stays for tokenizers without a Rust backend, for
 a `tokenizers` whose DecodeStream takes no prefill ids, and for the cases DecodeStream would
-decode differently (see ``_StreamDecoder``).
+decode differently (both in jaxkv/engine/incremental_decoders.py).
 """
 
 from __future__ import annotations
@@ -24,27 +24,13 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import Tokenizer
-
+from jaxkv.engine.incremental_decoders import (REPLACEMENT_CHAR, StreamDecoder, WindowDecoder,
+                                               ids_to_tokens, rust_backend)
 from jaxkv.loader.gguf_tokenizer import byte_level_alphabet
 from jaxkv.sampling_params import SamplingParams
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens kept as decoding context.
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-def _ids_to_tokens(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> list[str]:
-    """Token strings for ids; out-of-vocabulary ids become "" (as vLLM)."""
-    vocab = len(tokenizer)
-    tokens: list[str] = []
-    for token_id in token_ids:
-        if not 0 <= token_id < vocab:
-            tokens.append("")
-            continue
-        converted = tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip_special_tokens)
-        tokens.extend("" if t is None else t for t in converted)
-    return tokens
 
 
 def detokenize_token(tokenizer: Any, token_id: int) -> str:
@@ -54,9 +40,9 @@ def detokenize_token(tokenizer: Any, token_id: int) -> str:
     ``bytes:`` followed by its bytes as ``\\xNN`` escapes (``bytes:\\xe6\\x97``), as vLLM
     shows such tokens, so two fragments never share a text (a real U+FFFD stays itself).
     """
-    tokens = _ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False)
+    tokens = ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False)
     text = tokenizer.convert_tokens_to_string(tokens) if tokens and tokens[0] else ""
-    if _REPLACEMENT_CHAR in text:
+    if REPLACEMENT_CHAR in text:
         raw = token_bytes(tokenizer, token_id, tokens[0])
         if raw is not None and raw != text.encode():
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
@@ -76,7 +62,7 @@ def token_bytes(tokenizer: Any, token_id: int, token: str | None = None) -> byte
     """The raw bytes of one token: from a byte-fallback piece (``<0xE6>``) or a byte-level
     BPE token (GPT-2's alphabet); None when the token is neither."""
     if token is None:
-        token = (_ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False) or [""])[0]
+        token = (ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False) or [""])[0]
     m = _BYTE_FALLBACK.fullmatch(token)
     if m:
         return bytes([int(m.group(1), 16)])
@@ -110,129 +96,6 @@ def find_stop_string(
     return None if best is None else (best[2], best[1])
 
 
-@lru_cache(maxsize=1)
-def _decode_stream_class() -> Any:
-    """`tokenizers.decoders.DecodeStream` if it takes prefill ids (newer `tokenizers`), else None."""
-    try:
-        from tokenizers.decoders import DecodeStream
-
-        DecodeStream([], skip_special_tokens=False)
-    except (ImportError, TypeError):
-        return None
-    return DecodeStream
-
-
-def _rust_backend(tokenizer: Any) -> Tokenizer | None:
-    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer whose token <-> text
-    methods are the stock ones (so decoding ids in Rust gives what ``convert_ids_to_tokens`` +
-    ``convert_tokens_to_string`` give); None for anything else."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not isinstance(backend, Tokenizer) or _decode_stream_class() is None:
-        return None
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:  # pragma: no cover - a duck-typed tokenizer without transformers
-        return None
-    cls = type(tokenizer)
-    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
-        getattr(cls, name) is not getattr(PreTrainedTokenizerFast, name)
-        for name in ("convert_ids_to_tokens", "convert_tokens_to_string")
-    ):
-        return None
-    return backend
-
-
-class _WindowDecoder:
-    """vLLM's ``detokenize_incrementally`` on token strings: decode ``tokens[prefix_offset:]``,
-    emit what lies past the text of ``tokens[prefix_offset:read_offset]``."""
-
-    def __init__(self, tokenizer: Any, tokens: list[str], prefix_offset: int, read_offset: int,
-                 skip_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.tokens = tokens
-        self.prefix_offset = prefix_offset
-        self.read_offset = read_offset
-
-    def step(self, token_id: int) -> str:
-        """Append one token; return the text it completes ("" while a character is split)."""
-        self.tokens.extend(_ids_to_tokens(self.tokenizer, [token_id], self.skip_special_tokens))
-        to_string = self.tokenizer.convert_tokens_to_string
-        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = to_string(self.tokens[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.tokens)
-        return new_text[len(prefix_text):]
-
-
-class _StreamDecoder:
-    """The same window through ``tokenizers.decoders.DecodeStream``: one Rust decode per token
-    instead of a Python id -> token lookup and two decoder calls.
-
-    DecodeStream keeps ``ids = tokens[prefix_offset:]``, the text of
-    ``tokens[prefix_offset:read_offset]`` and ``read_offset - prefix_offset``, and emits what
-    ``_WindowDecoder`` emits, None where it emits "". Where the two would differ, ours is kept:
-
-    - Skipping: ids are dropped here by transformers' rule (``all_special_ids``, what
-      ``convert_ids_to_tokens(skip_special_tokens=True)`` drops) and the stream never skips.
-      DecodeStream's own skip_special_tokens drops every added token marked special in the
-      Rust vocabulary, a larger set for some tokenizers (17 control tokens against
-      transformers' 3 for the GGUF SmolLM2), which would change the text.
-    - An id past the vocabulary: our window holds it as "" (text with a decoder that joins
-      tokens by spaces), the Rust decode drops it; from there on the sequence goes through
-      ``_WindowDecoder``, started from the stream's offsets (``ids`` / ``read`` mirror them).
-    - DecodeStream raises when the window's text does not start with the previous text
-      (decoders that strip or rewrite by position, e.g. a leading-space Strip; never
-      byte-level BPE), where our window emits the text past the old text's length: the same
-      switch to ``_WindowDecoder``.
-    - The prompt context is DecodeStream's prefill. If it holds an unknown id or its text
-      ends in U+FFFD (the prompt ends inside a character, where DecodeStream would emit the
-      whole window as new text), ``IncrementalDetokenizer`` uses ``_WindowDecoder`` throughout.
-    """
-
-    def __init__(self, tokenizer: Any, backend: Tokenizer, context_ids: list[int], vocab: int,
-                 skip: set[int], skip_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.backend = backend
-        self.vocab = vocab
-        self.skip = skip
-        self.skip_special_tokens = skip_special_tokens
-        self.stream = _decode_stream_class()(list(context_ids), skip_special_tokens=False)
-        self.ids = list(context_ids)  # the stream's ids: tokens[prefix_offset:]
-        self.read = len(self.ids)  # read_offset - prefix_offset
-        self.window: _WindowDecoder | None = None
-
-    def step(self, token_id: int) -> str:
-        if self.window is None:
-            if token_id in self.skip:
-                return ""
-            if not 0 <= token_id < self.vocab:
-                self._to_window()  # our window holds it as "" (see the class docstring)
-            else:
-                self.ids.append(token_id)
-                try:
-                    text = self.stream.step(self.backend, token_id)
-                except Exception as e:  # DecodeStream's "Invalid prefix" (see the class docstring)
-                    if "Invalid prefix" not in str(e):
-                        raise
-                    self.ids.pop()
-                    self._to_window()
-                else:
-                    if text is None:
-                        return ""
-                    del self.ids[:self.read]
-                    self.read = len(self.ids)
-                    return text
-        return self.window.step(token_id)
-
-    def _to_window(self) -> None:
-        """Continue in ``_WindowDecoder`` from the stream's offsets."""
-        tokens = _ids_to_tokens(self.tokenizer, self.ids, skip_special_tokens=False)
-        self.window = _WindowDecoder(self.tokenizer, tokens, 0, self.read, self.skip_special_tokens)
-
-
 class IncrementalDetokenizer:
     """Turns the output tokens of one sequence into text, a few tokens at a time.
 
@@ -257,23 +120,23 @@ class IncrementalDetokenizer:
         self._last_output_text_offset = 0
         self._decoder = self._make_decoder(list(prompt_token_ids))
 
-    def _make_decoder(self, prompt_token_ids: list[int]) -> _StreamDecoder | _WindowDecoder:
+    def _make_decoder(self, prompt_token_ids: list[int]) -> StreamDecoder | WindowDecoder:
         """Context: the last few prompt tokens (vLLM's convert_prompt_ids_to_tokens): of the
         last OFFSET + 2, those left after skipping, and of those the last OFFSET are decoded
         before the first output token (only their text is not emitted)."""
         tail = prompt_token_ids[-(INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2):]
-        backend = _rust_backend(self.tokenizer)
+        backend = rust_backend(self.tokenizer)
         if backend is not None:
             vocab = len(self.tokenizer)
             skip = set(self.tokenizer.all_special_ids) if self.skip_special_tokens else set()
             context = [t for t in tail if t not in skip][-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
             if (all(0 <= t < vocab for t in context)
-                    and not backend.decode(context, skip_special_tokens=False).endswith(_REPLACEMENT_CHAR)):
-                return _StreamDecoder(self.tokenizer, backend, context, vocab, skip, self.skip_special_tokens)
-        tokens = _ids_to_tokens(self.tokenizer, tail, self.skip_special_tokens)
+                    and not backend.decode(context, skip_special_tokens=False).endswith(REPLACEMENT_CHAR)):
+                return StreamDecoder(self.tokenizer, backend, context, vocab, skip, self.skip_special_tokens)
+        tokens = ids_to_tokens(self.tokenizer, tail, self.skip_special_tokens)
         read_offset = len(tokens)
         prefix_offset = max(read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
-        return _WindowDecoder(self.tokenizer, tokens, prefix_offset, read_offset, self.skip_special_tokens)
+        return WindowDecoder(self.tokenizer, tokens, prefix_offset, read_offset, self.skip_special_tokens)
 
     def update(
         self,

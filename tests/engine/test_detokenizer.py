@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from jaxkv.engine.detokenizer import (IncrementalDetokenizer, _StreamDecoder, detokenize_token,
-                                      find_stop_string)
+from jaxkv.engine.detokenizer import IncrementalDetokenizer, detokenize_token, find_stop_string
+from jaxkv.engine.incremental_decoders import StreamDecoder
 from jaxkv.sampling_params import SamplingParams
 
 TEXTS = [
@@ -188,7 +188,7 @@ def test_decode_stream_matches_token_string_window(smollm2_hf_tokenizer, skip):
     random ids with split characters, control tokens and out-of-vocabulary ids."""
     tok = smollm2_hf_tokenizer
     params = SamplingParams(skip_special_tokens=skip)
-    assert isinstance(IncrementalDetokenizer(tok, [], params)._decoder, _StreamDecoder)
+    assert isinstance(IncrementalDetokenizer(tok, [], params)._decoder, StreamDecoder)
     rng = random.Random(0)
     fragments = _ids(tok, "🙂東京 é👍🏽")
     chat = tok.encode(_prompt(tok), add_special_tokens=False)
