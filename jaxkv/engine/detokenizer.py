@@ -1,8 +1,8 @@
 """Incremental detokenization and stop strings (host side, one object per output sequence).
 
-Follows vLLM: ``detokenize_incrementally`` (prefix_offset / read_offset windows) and the
-v1 ``IncrementalDetokenizer.update`` / ``get_next_output_text`` contract, including the
-held-back tail that keeps a partial stop string out of streamed text.
+Follows vLLM: incremental decoding with prefix_offset / read_offset windows and the v1
+``IncrementalDetokenizer.update`` / ``get_next_output_text`` contract, including the held-back
+tail that keeps a partial stop string out of streamed text.
 
 Each new token is decoded together with a few tokens before it (the window
 ``tokens[prefix_offset:]``) and only the text past ``tokens[prefix_offset:read_offset]`` is
@@ -10,6 +10,12 @@ emitted. This gives the same text as decoding everything at once (leading-space 
 some tokenizers depend on the previous token), at a cost independent of the output length.
 When the window's text ends in U+FFFD, the last token ends inside a multi-byte UTF-8
 character; nothing is emitted and the offsets stay put until a later token completes it.
+
+For a Hugging Face fast tokenizer (the usual case) the window is the `tokenizers` library's
+``DecodeStream``, which keeps exactly these offsets in Rust (``StreamDecoder``). Our own
+window on token strings (``WindowDecoder``) stays for tokenizers without a Rust backend, for
+a `tokenizers` whose DecodeStream takes no prefill ids, and for the cases DecodeStream would
+decode differently (both in jaxkv/engine/incremental_decoders.py).
 """
 
 from __future__ import annotations
@@ -18,25 +24,13 @@ import re
 from functools import lru_cache
 from typing import Any
 
+from jaxkv.engine.incremental_decoders import (REPLACEMENT_CHAR, StreamDecoder, WindowDecoder,
+                                               ids_to_tokens, rust_backend)
 from jaxkv.loader.gguf_tokenizer import byte_level_alphabet
 from jaxkv.sampling_params import SamplingParams
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens kept as decoding context.
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-def _ids_to_tokens(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> list[str]:
-    """Token strings for ids; out-of-vocabulary ids become "" (as vLLM)."""
-    vocab = len(tokenizer)
-    tokens: list[str] = []
-    for token_id in token_ids:
-        if not 0 <= token_id < vocab:
-            tokens.append("")
-            continue
-        converted = tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip_special_tokens)
-        tokens.extend("" if t is None else t for t in converted)
-    return tokens
 
 
 def detokenize_token(tokenizer: Any, token_id: int) -> str:
@@ -46,9 +40,9 @@ def detokenize_token(tokenizer: Any, token_id: int) -> str:
     ``bytes:`` followed by its bytes as ``\\xNN`` escapes (``bytes:\\xe6\\x97``), as vLLM
     shows such tokens, so two fragments never share a text (a real U+FFFD stays itself).
     """
-    tokens = _ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False)
+    tokens = ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False)
     text = tokenizer.convert_tokens_to_string(tokens) if tokens and tokens[0] else ""
-    if _REPLACEMENT_CHAR in text:
+    if REPLACEMENT_CHAR in text:
         raw = token_bytes(tokenizer, token_id, tokens[0])
         if raw is not None and raw != text.encode():
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
@@ -68,7 +62,7 @@ def token_bytes(tokenizer: Any, token_id: int, token: str | None = None) -> byte
     """The raw bytes of one token: from a byte-fallback piece (``<0xE6>``) or a byte-level
     BPE token (GPT-2's alphabet); None when the token is neither."""
     if token is None:
-        token = (_ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False) or [""])[0]
+        token = (ids_to_tokens(tokenizer, [token_id], skip_special_tokens=False) or [""])[0]
     m = _BYTE_FALLBACK.fullmatch(token)
     if m:
         return bytes([int(m.group(1), 16)])
@@ -124,23 +118,25 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.num_output_tokens = 0
         self._last_output_text_offset = 0
-        # Context: the last few prompt tokens (vLLM's convert_prompt_ids_to_tokens).
-        tail = list(prompt_token_ids)[-(INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2):]
-        self.tokens = _ids_to_tokens(tokenizer, tail, self.skip_special_tokens)
-        self.read_offset = len(self.tokens)
-        self.prefix_offset = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+        self._decoder = self._make_decoder(list(prompt_token_ids))
 
-    def _decode_next(self, token_id: int) -> str:
-        """Append one token; return the text it completes ("" while a character is split)."""
-        self.tokens.extend(_ids_to_tokens(self.tokenizer, [token_id], self.skip_special_tokens))
-        to_string = self.tokenizer.convert_tokens_to_string
-        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = to_string(self.tokens[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.tokens)
-        return new_text[len(prefix_text):]
+    def _make_decoder(self, prompt_token_ids: list[int]) -> StreamDecoder | WindowDecoder:
+        """Context: the last few prompt tokens (vLLM's convert_prompt_ids_to_tokens): of the
+        last OFFSET + 2, those left after skipping, and of those the last OFFSET are decoded
+        before the first output token (only their text is not emitted)."""
+        tail = prompt_token_ids[-(INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2):]
+        backend = rust_backend(self.tokenizer)
+        if backend is not None:
+            vocab = len(self.tokenizer)
+            skip = set(self.tokenizer.all_special_ids) if self.skip_special_tokens else set()
+            context = [t for t in tail if t not in skip][-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
+            if (all(0 <= t < vocab for t in context)
+                    and not backend.decode(context, skip_special_tokens=False).endswith(REPLACEMENT_CHAR)):
+                return StreamDecoder(self.tokenizer, backend, context, vocab, skip, self.skip_special_tokens)
+        tokens = ids_to_tokens(self.tokenizer, tail, self.skip_special_tokens)
+        read_offset = len(tokens)
+        prefix_offset = max(read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+        return WindowDecoder(self.tokenizer, tokens, prefix_offset, read_offset, self.skip_special_tokens)
 
     def update(
         self,
@@ -169,7 +165,7 @@ class IncrementalDetokenizer:
 
         stop_check_offset = len(self.output_text)
         for i, token_id in enumerate(to_decode):
-            self.output_text += self._decode_next(token_id)
+            self.output_text += self._decoder.step(token_id)
             if before + i + 1 <= self.min_tokens:
                 stop_check_offset = len(self.output_text)
         self.num_output_tokens = before + len(new_token_ids)

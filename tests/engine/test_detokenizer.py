@@ -1,8 +1,11 @@
 """IncrementalDetokenizer against a real byte-level BPE tokenizer (SmolLM2)."""
 
+import random
+
 import pytest
 
 from jaxkv.engine.detokenizer import IncrementalDetokenizer, detokenize_token, find_stop_string
+from jaxkv.engine.incremental_decoders import StreamDecoder
 from jaxkv.sampling_params import SamplingParams
 
 TEXTS = [
@@ -161,6 +164,42 @@ def test_stop_terminated_token_text(smollm2_hf_tokenizer, include, expected):
     assert detok.update(ids[-1:], len(ids) - 1, stop_terminated=True) is None
     assert detok.output_text == expected
     assert detok.num_output_tokens == len(ids)
+
+
+class _TokenStringsOnly:
+    """The same tokenizer without its Rust backend: decoding goes through our token-string window."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __len__(self):
+        return len(self.tok)
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+        return self.tok.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_string(self, tokens):
+        return self.tok.convert_tokens_to_string(tokens)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_stream_matches_token_string_window(smollm2_hf_tokenizer, skip):
+    """DecodeStream (the fast tokenizer's path) emits the same pieces as our own window, on
+    random ids with split characters, control tokens and out-of-vocabulary ids."""
+    tok = smollm2_hf_tokenizer
+    params = SamplingParams(skip_special_tokens=skip)
+    assert isinstance(IncrementalDetokenizer(tok, [], params)._decoder, StreamDecoder)
+    rng = random.Random(0)
+    fragments = _ids(tok, "🙂東京 é👍🏽")
+    chat = tok.encode(_prompt(tok), add_special_tokens=False)
+    prompts = [[], chat, _ids(tok, "Hi 🙂")[:-1]]  # the last one ends inside a character
+    for k in range(120):
+        ids = [rng.choice(fragments) if r < 0.35 else rng.randrange(17) if r < 0.5
+               else len(tok) + 3 if r < 0.52 else rng.randrange(len(tok))
+               for r in (rng.random() for _ in range(rng.randrange(1, 30)))]
+        fast = _stream(tok, prompts[k % 3], ids, params)
+        slow = _stream(_TokenStringsOnly(tok), prompts[k % 3], ids, params)
+        assert fast[0].output_text == slow[0].output_text and fast[2] == slow[2] and fast[3] == slow[3]
 
 
 def test_detokenize_token(smollm2_hf_tokenizer):
