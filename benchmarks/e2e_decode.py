@@ -105,7 +105,7 @@ def main(argv=None):
             dt = max(t_many - t_one, 1e-9)
             model = llm.llm_engine.runner.model
             rows.add(model="tiny" if a.cpu_dry_run else os.path.basename(os.path.normpath(a.config)),
-                     backend=model.backend, dtype=jnp.dtype(model.dtype).name, batch=b,
+                     backend=model.attention.name, dtype=jnp.dtype(model.dtype).name, batch=b,
                      prompt_len=a.prompt_len, decode_tokens=a.decode_tokens,
                      decode_tokens_per_s=round(b * a.decode_tokens / dt, 1),
                      ms_per_decode_step=round(1e3 * dt / a.decode_tokens, 2),

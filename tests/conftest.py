@@ -10,9 +10,11 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Short bucket lists keep compilation cheap; every engine below shares them, so the persistent
-# compilation cache turns later engines' warmups into cache reads.
+# compilation cache turns later engines' warmups into cache reads. The pool, max_model_len and
+# max_num_seqs equal those of the shared test server (tests/serve/conftest.py), so the step and
+# sampler programs of its buckets 8 and 64, compiled while the first tests run, are cache reads.
 TEST_ENGINE = dict(max_model_len=1024, max_num_batched_tokens=256, token_buckets=(8, 64, 256),
-                   max_num_seqs=32, kv_cache_memory_bytes=256 << 20)
+                   max_num_seqs=32, kv_cache_memory_bytes=128 << 20)
 
 
 def pytest_collection_finish(session):

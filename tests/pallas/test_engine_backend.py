@@ -28,13 +28,12 @@ def test_resolve_backend_rejects_unknown():
         resolve_backend("triton", "gpu")
 
 
-def test_pallas_engine_matches_xla_engine():
+def test_pallas_engine_matches_xla_engine(llm):
     from jaxkv import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    ref_llm = LLM(attention_backend="xla", **ENGINE)
-    ref = ref_llm.generate(PROMPTS, sp, use_tqdm=False)
-    del ref_llm
+    assert llm.llm_engine.runner.model.attention.name == "xla"  # the shared session engine
+    ref = llm.generate(PROMPTS, sp, use_tqdm=False)
     llm = LLM(attention_backend="pallas", **ENGINE)
     runner = llm.llm_engine.runner
     assert runner.model.attention.name == "pallas"

@@ -15,9 +15,11 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import TEST_ENGINE
+
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
-KV_BYTES = 128 << 20
+KV_BYTES = TEST_ENGINE["kv_cache_memory_bytes"]  # the same pool as the session engines
 
 
 def _free_port() -> int:
