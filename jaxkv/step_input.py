@@ -34,6 +34,7 @@ class StepInput:
 
     @property
     def num_tokens(self) -> int:
+        """T, the token bucket (padded rows included)."""
         return self.input_ids.shape[0]
 
 

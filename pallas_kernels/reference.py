@@ -7,7 +7,8 @@ and jaxkv's XLA path (jaxkv/attention/xla_ragged.py) are tested against this fun
 
 How: gather every sequence's whole context through its block table, give each query row its
 sequence's keys, mask keys past the row's position, softmax in float32. Memory is
-num_tokens x max_blocks x block_size x num_kv_heads x head_dim: for tests and smoke checks.
+2 x num_tokens x max_blocks x block_size x num_q_heads x head_dim float32 values (K and V
+repeated to every query head): for tests and smoke checks.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragg
 from pallas_kernels.validation import next_pow2
 
 from jaxkv.attention.xla_ragged import ragged_metadata, xla_ragged_paged_attention
-from jaxkv.engine_config import resolve_backend  # noqa: F401 - the engine's choice, re-exported
 from jaxkv.step_input import StepInput
 
 
@@ -52,11 +51,12 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer):
 
 def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
                      scale: float, layer=None, decode_only: bool = False):
-    """The Pallas kernels behind the oracle's signature (q [num_tokens, num_q_heads, head_dim]
-    -> the same shape; pools stacked with `layer`, or one layer's). The ragged kernel, or, when
-    the caller promises (static `decode_only`) that every real sequence has exactly one query
-    row, so that row s is sequence s, the decode kernel. Rows past the last real sequence are
-    zeros either way."""
+    """The Pallas kernels behind the oracle's signature (q float32/bfloat16 [num_tokens,
+    num_q_heads, head_dim] -> the same shape and dtype; pools stacked with `layer`, or one
+    layer's; int32 tables as in pallas_kernels.reference). The ragged kernel, or, when the
+    caller promises (static `decode_only`) that every real sequence has exactly one query row,
+    so that row s is sequence s, the decode kernel. Rows past the last real sequence are zeros
+    either way. Raises ValueError (pallas_kernels.validation) for shapes the kernels refuse."""
     interpret = pallas_interpret()
     if not decode_only:
         group = q.shape[1] // k_cache.shape[-2]  # a tile holds at least one token's group

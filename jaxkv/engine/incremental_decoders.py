@@ -126,6 +126,7 @@ class StreamDecoder:
         self.window: WindowDecoder | None = None
 
     def step(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is split)."""
         if self.window is None:
             if token_id in self.skip:
                 return ""

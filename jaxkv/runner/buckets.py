@@ -5,7 +5,7 @@ powers of 8 below max_num_batched_tokens, then the budget); sampling rows to
 min(token bucket, max_num_seqs). The block-table
 width is fixed at the most blocks a max_model_len sequence needs: attention visits the context
 in chunks with a trip count set by the longest context of the step (see
-pallas_kernels/reference.py), so short contexts never pay for max_model_len and the width
+jaxkv/attention/xla_ragged.py and the kernels' grids), so short contexts never pay for max_model_len and the width
 costs no extra programs.
 """
 

@@ -32,12 +32,13 @@ class CompileCounter:
     def __init__(self):
         self.programs = 0
         self.seconds = 0.0
-        self._outer: list = []
 
     def __enter__(self) -> CompileCounter:
-        self._outer.append(getattr(_local, "counter", None))
+        if not hasattr(_local, "outer"):
+            _local.outer = []  # this thread's enclosing counters
+        _local.outer.append(getattr(_local, "counter", None))
         _local.counter = self
         return self
 
     def __exit__(self, *exc) -> None:
-        _local.counter = self._outer.pop()
+        _local.counter = _local.outer.pop()

@@ -81,7 +81,8 @@ class ModelRunner:
         return self.compiles.programs
 
     def build_inputs(self, out: SchedulerOutput) -> StepInput:
-        """The StepInput of a SchedulerOutput, padded to its token bucket."""
+        """The StepInput of a SchedulerOutput, padded to its token bucket (the smallest
+        holding its tokens; ValueError if none does)."""
         t = pick_bucket(self.token_buckets, out.total_num_scheduled_tokens)
         return build_step_input(out, block_size=self.block_size, num_tokens=t,
                                 rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
@@ -208,17 +209,20 @@ class ModelRunner:
 
     # ---- warmup -------------------------------------------------------------------------
     def warmup(self) -> tuple[float, int]:
-        """Compile every token bucket of the step (twice with a decode kernel: mixed and
+        """Compile every token bucket of the step (with a decode kernel, the buckets a
+        decode-only step can use, up to the one holding max_num_seqs tokens, twice: mixed and
         decode-only) and the greedy/random/filtered sampler for every row count
         (min(bucket, max_num_seqs)). Returns (seconds, programs compiled)."""
         t0, n0 = time.perf_counter(), self.num_compilations
         empty = SchedulerOutput([])
+        # A decode-only step holds at most max_num_seqs tokens: no bucket above this one.
+        decode_max = pick_bucket(self.token_buckets, self.max_num_seqs) if self.mark_decode_only else 0
         with self.compiles:
             for t in self.token_buckets:
                 r = num_rows(t, self.max_num_seqs)
                 si = build_step_input(empty, block_size=self.block_size, num_tokens=t, rows=r,
                                       max_blocks=self.max_blocks)
-                for decode_only in ([False, True] if self.mark_decode_only else [False]):
+                for decode_only in ([False, True] if t <= decode_max else [False]):
                     hidden = self.forward(dataclasses.replace(si, decode_only=decode_only))
                 s_arr = self._sampling_arrays(empty, r)
                 rows = self._gather_rows(hidden, si.logits_indices)

@@ -5,7 +5,8 @@ dispatch of jaxkv.attention.pallas_attention equals the ragged path."""
 import numpy as np
 import pytest
 
-from jaxkv.attention import pallas_attention, resolve_backend
+from jaxkv.attention import pallas_attention
+from jaxkv.engine_config import resolve_backend
 from tests.helpers import assert_same_or_near_tie, margins_from_logprobs
 from tests.pallas.cases import Case, make_inputs
 
@@ -42,6 +43,10 @@ def test_pallas_engine_matches_xla_engine(llm):
     got = llm.generate(PROMPTS, sp, use_tqdm=False)
     # Prefill steps ran the ragged kernel, the decode steps the decode kernel.
     assert seen[0] is False and seen[-1] is True and seen.count(True) >= sp.max_tokens - 1
+    compiled = runner.num_compilations  # warmup + the logprobs sampler: nothing more, ever
+    assert llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].outputs[0].token_ids == \
+        got[0].outputs[0].token_ids
+    assert runner.num_compilations == compiled
     for a, b in zip(got, ref):
         assert len(a.outputs[0].token_ids) == sp.max_tokens
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
