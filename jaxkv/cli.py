@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     EngineArgs.add_cli_args(g)
     g.set_defaults(func=cmd_generate)

@@ -1,0 +1,174 @@
+"""Where one engine step's time goes, next to this machine's rooflines measured in the same run.
+
+  python -m benchmarks.profile_step                      # the two reference shapes
+  python -m benchmarks.profile_step --shape 16 512 1     # sequences x context x tokens each
+
+For each shape (S sequences whose context is C tokens, Q of them computed this step) the
+engine's embedded SmolLM2 (float32, default CPU engine) is given one SchedulerOutput of that
+shape, and these are timed (median of --reps calls after a warmup call):
+  host        runner.build_inputs: the padded StepInput on the host (Python + numpy)
+  step        runner.forward: the jitted step (matmuls, K/V write, attention, norms, RoPE)
+  sample      runner.execute - forward - build_inputs: the sampled rows' logits, sampling and
+              the transfer of the tokens back
+  matmuls     every layer's 7 weight matmuls at the step's T rows (jitted alone)
+  attention   one layer's attention at the step's shape (prepare once + attend), x num_layers
+  kv_write    one layer's slot-mapping K/V write, x num_layers
+Rooflines, measured here: memory bandwidth (a jitted sum over 256 MiB) and matmul throughput
+(a jitted [T, hidden] x [hidden, intermediate] product at the step's T). matmul roofline = the
+step's matmul FLOPs / that throughput; attention roofline = the K/V bytes it must read /
+bandwidth; a single decode's roofline = the weight bytes / bandwidth (it is a weight read).
+
+Output: a table per shape and ONE JSON line (benchmarks/common.save) with, at least,
+decode_attention_ms_per_layer (64 x 256), decode_step_ms and decode_step_roofline_ms
+(64-sequence decode: measured, and matmul + attention rooflines), single_decode_ms and
+single_decode_roofline_ms.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from benchmarks.common import base_parser, machine_info, print_table, save
+
+REFERENCE_SHAPES = [(64, 256, 1), (1, 256, 1)]
+
+
+def median_ms(fn, reps: int) -> float:
+    import jax
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
+
+
+def probes(hidden: int, inter: int, rows: int, reps: int) -> tuple[float, float]:
+    """(memory GB/s, matmul GFLOP/s at [rows, hidden] x [hidden, inter]) on this device."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((64 << 20,), jnp.float32)  # 256 MiB
+    total = jax.jit(lambda a: a.sum())
+    gbs = x.nbytes / (median_ms(lambda: total(x), reps) / 1e3) / 1e9
+    a = jnp.ones((rows, hidden), jnp.float32)
+    b = jnp.ones((hidden, inter), jnp.float32)
+    mm = jax.jit(lambda a, b: a @ b)
+    gflops = 2 * rows * hidden * inter / (median_ms(lambda: mm(a, b), reps) / 1e3) / 1e9
+    return gbs, gflops
+
+
+def scheduler_output(num_seqs, context, tokens, block_size, seed):
+    from jaxkv import SamplingParams
+    from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    rng = np.random.default_rng(seed)
+    per = -(-context // block_size)
+    sp = SamplingParams(temperature=0)
+    return SchedulerOutput([
+        ScheduledRequest(f"p{s}", rng.integers(100, 40000, tokens).tolist(), context - tokens,
+                         list(range(1 + s * per, 1 + (s + 1) * per)), True, sp, 0, 0, 0)
+        for s in range(num_seqs)])
+
+
+def profile(llm, shape, reps: int, seed: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.attention import write_kv
+    num_seqs, context, tokens = shape
+    runner = llm.llm_engine.runner
+    c, p = runner.model.cfg, runner.params
+    out = scheduler_output(num_seqs, context, tokens, runner.block_size, seed)
+    si = runner.build_inputs(out)
+    t = si.num_tokens
+    row = {"shape": f"{num_seqs}x{context}x{tokens}", "bucket": t}
+    row["host_ms"] = median_ms(lambda: runner.build_inputs(out), reps)
+    row["step_ms"] = median_ms(lambda: runner.forward(si), reps)
+    execute = median_ms(lambda: runner.execute(out).sampled, reps)
+    row["sample_ms"] = max(0.0, execute - row["step_ms"] - row["host_ms"])
+
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((t, c.hidden_size)), jnp.float32)
+    names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")
+
+    def matmuls(params, h):
+        acc = 0.0
+        for i in range(c.num_layers):
+            lp = params[f"layers_{i}"]
+            q = h @ lp["q_proj"]["kernel"]
+            k = h @ lp["k_proj"]["kernel"]
+            v = h @ lp["v_proj"]["kernel"]
+            o = q @ lp["o_proj"]["kernel"]
+            g = h @ lp["gate_proj"]["kernel"]
+            u = h @ lp["up_proj"]["kernel"]
+            d = (g * u) @ lp["down_proj"]["kernel"]
+            acc = acc + o.sum() + d.sum() + k.sum() + v.sum()
+        return acc
+    mm = jax.jit(matmuls)
+    row["matmuls_ms"] = median_ms(lambda: mm(p, h), reps)
+    flops = 2 * t * sum(int(np.prod(p["layers_0"][n]["kernel"].shape)) for n in names) * c.num_layers
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(p))
+
+    attn, (kc, vc) = runner.model.attention, runner.kv_cache
+    q = jnp.asarray(rng.standard_normal((t, c.num_heads, c.head_dim)), jnp.float32)
+    prep = jax.jit(lambda step: attn.prepare(step, runner.block_size))
+    shared = prep(si)
+    one = jax.jit(lambda q, kc, vc, step, shared: attn.attend(q, kc, vc, step, shared, layer=0,
+                                                              scale=c.head_dim ** -0.5))
+    row["attention_ms_per_layer"] = median_ms(lambda: one(q, kc, vc, si, shared), reps)
+    row["attention_prepare_ms"] = median_ms(lambda: prep(si), reps)
+    row["attention_ms"] = row["attention_ms_per_layer"] * c.num_layers + row["attention_prepare_ms"]
+    kv = jnp.asarray(rng.standard_normal((t, c.num_kv_heads, c.head_dim)), jnp.float32)
+    write = jax.jit(lambda kc, vc, k, v, s: write_kv(kc, vc, k, v, s, 0), donate_argnums=(0, 1))
+    state = {"kv": (kc, vc)}
+
+    def write_once():
+        state["kv"] = write(*state["kv"], kv, kv, si.slot_mapping)
+        return state["kv"]
+    row["kv_write_ms"] = median_ms(write_once, reps) * c.num_layers
+    runner.kv_cache = state["kv"]
+
+    gbs, gflops = probes(c.hidden_size, c.intermediate_size, t, reps)
+    kv_bytes = int(si.seq_lens.sum()) * 2 * c.num_kv_heads * c.head_dim * 4  # per layer, float32
+    row.update(memory_GBps=gbs, matmul_GFLOPs=gflops,
+               matmul_roofline_ms=flops / gflops / 1e6,
+               attention_roofline_ms_per_layer=kv_bytes / gbs / 1e6,
+               weight_read_roofline_ms=weight_bytes / gbs / 1e6)
+    row["step_roofline_ms"] = (row["matmul_roofline_ms"]
+                               + row["attention_roofline_ms_per_layer"] * c.num_layers)
+    return row
+
+
+def main():
+    p = base_parser("One engine step split into host, matmuls, attention, K/V write and sampling, "
+                    "next to this machine's rooflines", "fewer repetitions (5)")
+    p.add_argument("--shape", type=int, nargs=3, action="append", metavar=("SEQS", "CONTEXT", "TOKENS"),
+                   help="sequences x context x tokens computed per sequence (repeatable; "
+                        "default: 64 256 1 and 1 256 1)")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    reps = 5 if args.quick else args.reps
+    from jaxkv import LLM
+    llm = LLM()
+    rows = [profile(llm, tuple(s), reps, args.seed) for s in (args.shape or REFERENCE_SHAPES)]
+    print(f"machine: {machine_info()}")
+    print_table(rows, ["shape", "bucket", "step_ms", "step_roofline_ms", "host_ms", "sample_ms",
+                       "matmuls_ms", "matmul_roofline_ms", "attention_ms", "attention_ms_per_layer",
+                       "attention_roofline_ms_per_layer", "kv_write_ms"])
+    data = {"rows": rows}
+    by = {r["shape"]: r for r in rows}
+    if "64x256x1" in by:
+        d = by["64x256x1"]
+        data.update(decode_attention_ms_per_layer=d["attention_ms_per_layer"],
+                    decode_step_ms=d["step_ms"], decode_step_roofline_ms=d["step_roofline_ms"])
+    if "1x256x1" in by:
+        s = by["1x256x1"]
+        data.update(single_decode_ms=s["step_ms"] + s["sample_ms"] + s["host_ms"],
+                    single_decode_roofline_ms=s["weight_read_roofline_ms"])
+    save("profile_step", data, args)
+
+
+if __name__ == "__main__":
+    main()
