@@ -9,6 +9,13 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+
+def pytest_configure(config):
+    """The engine's persistent compilation cache for every test, not only those that build an
+    engine: the attention tests' programs are cache reads on a warm machine."""
+    from jaxkv.engine.setup import enable_compilation_cache
+    enable_compilation_cache()
+
 # Short bucket lists keep compilation cheap; every engine below shares them, so the persistent
 # compilation cache turns later engines' warmups into cache reads. The pool, max_model_len and
 # max_num_seqs equal those of the shared test server (tests/serve/conftest.py), so the step and

@@ -18,14 +18,15 @@ IMPLS = {"xla": functools.partial(xla_ragged_paged_attention, chunk_tokens=32, s
 
 
 def dense_causal_attention(q, k, v, *, scale: float):
-    """Plain causal attention for one sequence: q [T, H, D], k/v [T, KVH, D]."""
+    """Plain causal attention for one sequence, in float64 numpy: q [T, H, D], k/v [T, KVH, D]."""
     t, h, d = q.shape
     g = h // k.shape[1]
-    k = jnp.repeat(k, g, axis=1).astype(jnp.float32)
-    v = jnp.repeat(v, g, axis=1).astype(jnp.float32)
-    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * scale
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], s, -jnp.inf)
-    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v).astype(q.dtype)
+    k = np.repeat(k, g, axis=1).astype(np.float64)
+    v = np.repeat(v, g, axis=1).astype(np.float64)
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k) * scale
+    s = np.where(np.tril(np.ones((t, t), bool))[None], s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v).astype(np.float32)
 
 
 def make_case(rng, ctx_lens, q_lens, *, block_size, num_kv_heads, group, head_dim, num_tokens,
@@ -53,8 +54,7 @@ def make_case(rng, ctx_lens, q_lens, *, block_size, num_kv_heads, group, head_di
         vv = v_cache[-1, tables[s, pos // block_size], pos % block_size]
         qq = np.zeros((c, heads, head_dim), dtype)
         qq[c - n:] = q[t:t + n]
-        refs.append(np.asarray(dense_causal_attention(jnp.asarray(qq), jnp.asarray(kk), jnp.asarray(vv),
-                                                      scale=head_dim ** -0.5))[c - n:])
+        refs.append(dense_causal_attention(qq, kk, vv, scale=head_dim ** -0.5)[c - n:])
         t += n
     qsl[len(ctx_lens) + 1:] = t
     q[t:] = 0.0
