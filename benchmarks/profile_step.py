@@ -60,19 +60,19 @@ def probes(hidden: int, inter: int, rows: int, reps: int) -> tuple[float, float]
     return gbs, gflops
 
 
-def scheduler_output(num_seqs, context, tokens, block_size, seed):
+def scheduler_output(num_seqs, context, tokens, block_size, seed, temperature=0.0):
     from jaxkv import SamplingParams
     from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
     rng = np.random.default_rng(seed)
     per = -(-context // block_size)
-    sp = SamplingParams(temperature=0)
+    sp = SamplingParams(temperature=temperature)
     return SchedulerOutput([
         ScheduledRequest(f"p{s}", rng.integers(100, 40000, tokens).tolist(), context - tokens,
-                         list(range(1 + s * per, 1 + (s + 1) * per)), True, sp, 0, 0, 0)
+                         list(range(1 + s * per, 1 + (s + 1) * per)), True, sp, s, 0, 0)
         for s in range(num_seqs)])
 
 
-def profile(llm, shape, reps: int, seed: int) -> dict:
+def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -80,10 +80,10 @@ def profile(llm, shape, reps: int, seed: int) -> dict:
     num_seqs, context, tokens = shape
     runner = llm.llm_engine.runner
     c, p = runner.model.cfg, runner.params
-    out = scheduler_output(num_seqs, context, tokens, runner.block_size, seed)
+    out = scheduler_output(num_seqs, context, tokens, runner.block_size, seed, temperature)
     si = runner.build_inputs(out)
     t = si.num_tokens
-    row = {"shape": f"{num_seqs}x{context}x{tokens}", "bucket": t}
+    row = {"shape": f"{num_seqs}x{context}x{tokens}", "bucket": t, "temperature": temperature}
     row["host_ms"] = median_ms(lambda: runner.build_inputs(out), reps)
     row["step_ms"] = median_ms(lambda: runner.forward(si), reps)
     execute = median_ms(lambda: runner.execute(out).sampled, reps)
@@ -148,17 +148,24 @@ def main():
                    help="sequences x context x tokens computed per sequence (repeatable; "
                         "default: 64 256 1 and 1 256 1)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every row (default 0: greedy; > 0 times the "
+                        "random sampler, whose per-row noise is the exponential race)")
     args = p.parse_args()
     reps = 5 if args.quick else args.reps
     from jaxkv import LLM
     llm = LLM()
-    rows = [profile(llm, tuple(s), reps, args.seed) for s in (args.shape or REFERENCE_SHAPES)]
+    rows = [profile(llm, tuple(s), reps, args.seed, args.temperature)
+            for s in (args.shape or REFERENCE_SHAPES)]
     print(f"machine: {machine_info()}")
     print_table(rows, ["shape", "bucket", "step_ms", "step_roofline_ms", "host_ms", "sample_ms",
                        "matmuls_ms", "matmul_roofline_ms", "attention_ms", "attention_ms_per_layer",
                        "attention_roofline_ms_per_layer", "kv_write_ms"])
     data = {"rows": rows}
     by = {r["shape"]: r for r in rows}
+    if args.temperature > 0:  # the reference keys are the greedy profile's
+        save("profile_step-random", data, args)
+        return
     if "64x256x1" in by:
         d = by["64x256x1"]
         data.update(decode_attention_ms_per_layer=d["attention_ms_per_layer"],
