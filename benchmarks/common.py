@@ -19,6 +19,24 @@ import sys
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def timed(fn, *args, iters: int) -> tuple[float, float]:
+    """(first call incl. compile, median of `iters` calls) in seconds; each call waits for its
+    device work (jax.block_until_ready)."""
+    import time
+
+    import jax
+    import numpy as np
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return first, float(np.median(ts))
+
+
 def base_parser(description: str, quick: str) -> argparse.ArgumentParser:
     """--seed, --quick (its workload described by `quick`), --out-dir."""
     p = argparse.ArgumentParser(description=description)

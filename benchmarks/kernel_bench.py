@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import timed
 from benchmarks.result_rows import Rows
 from pallas_kernels import paged_attention, ragged_paged_attention
 from jaxkv.attention.xla_ragged import xla_ragged_paged_attention
@@ -32,19 +33,6 @@ FULL = dict(heads=32, kv_heads=8, head_dim=128, block_size=16, seqs=(1, 8, 64, 2
             contexts=(512, 2048, 8192), mixed=(4, 512, 60, 2048), iters=10)
 TINY = dict(heads=4, kv_heads=2, head_dim=32, block_size=8, seqs=(1, 3), contexts=(20, 40),
             mixed=(2, 8, 3, 24), iters=2)
-
-
-def timed(fn, *args, iters: int) -> tuple[float, float]:
-    """(first call incl. compile, median of `iters` calls) in seconds."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return first, float(np.median(ts))
 
 
 def make_pool(num_blocks, cfg, dtype, seed=0):

@@ -26,24 +26,16 @@ single_decode_roofline_ms.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from benchmarks.common import base_parser, machine_info, print_table, save
+from benchmarks.common import base_parser, machine_info, print_table, save, timed
 
 REFERENCE_SHAPES = [(64, 256, 1), (1, 256, 1)]
 
 
 def median_ms(fn, reps: int) -> float:
-    import jax
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e3
+    """Median of `reps` calls of fn() in ms, after a warmup call."""
+    return timed(fn, iters=reps)[1] * 1e3
 
 
 def probes(hidden: int, inter: int, rows: int, reps: int) -> tuple[float, float]:

@@ -80,3 +80,14 @@ def test_no_import_cycles_at_module_level():
     for n in sorted(graph):
         if n not in state:
             visit(n, [])
+
+
+def test_host_bookkeeping_loads_no_jax():
+    """Importing the scheduler (and with it the whole of jaxkv.core) loads neither JAX nor Flax."""
+    import subprocess
+    import sys
+    code = ("import sys, jaxkv.core.scheduler, jaxkv.core.kv_budget; "
+            "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout.strip()
+    assert out == "[]", out

@@ -199,27 +199,13 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
                                metadata: RaggedMetadata | None = None,
                                chunk_tokens: int = CHUNK_TOKENS,
                                segment_rows: int = SEGMENT_ROWS):
-    """Ragged paged attention over a block-paged KV pool.
-
-    Args:
-      q: [num_tokens, num_q_heads, head_dim] float.
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], or stacked
-        [num_layers, num_blocks, block_size, num_kv_heads, head_dim] with `layer` an int32
-        scalar (or Python int) choosing the layer inside the gathers; no layer is sliced out.
-        They must already hold this step's K/V (jaxkv.attention.write_kv runs first).
-      block_tables: int32 [max_num_seqs, max_blocks]; row s maps sequence s's logical blocks
-        to physical ones (padding entries point at the null block 0).
-      seq_lens: int32 [max_num_seqs]: context length including this step's tokens; 0 = padding.
-      query_start_loc: int32 [max_num_seqs + 1], non-decreasing; padding rows repeat the end.
-      num_seqs: int32 [1]: how many rows of the per-sequence arrays are real.
-      scale: softmax scale (usually head_dim ** -0.5).
+    """Ragged paged attention over a block-paged KV pool: arguments, shapes and result as
+    pallas_kernels.reference.ragged_paged_attention_reference (the layer of a stacked pool is
+    chosen inside the gathers; no layer is sliced out), plus:
       metadata: ragged_metadata(...) of these arguments, when the caller shares it between
         layers (it is computed here otherwise), made with the same chunk_tokens and
         segment_rows.
       chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
-    Returns:
-      [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
-    num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
     """
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0

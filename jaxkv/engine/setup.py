@@ -36,9 +36,9 @@ def build_engine(cls, args):
     import jax
     import jax.numpy as jnp
 
+    from jaxkv.attention import get_attention
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
-    from jaxkv.attention import get_attention
     from jaxkv.loader.source import load_checkpoint
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig

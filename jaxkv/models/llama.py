@@ -15,6 +15,7 @@ iteration copies its layer's weights out of the stack.)
 from __future__ import annotations
 
 import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
