@@ -132,3 +132,21 @@ def test_the_exponential_race_draws_from_the_distribution():
                                    num_logprobs=0).token_ids)
     freq = np.bincount(tokens, minlength=V) / r
     assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / r) + 1e-3), freq
+
+
+def test_the_two_stage_race_is_exact_across_groups():
+    # 40 tokens in groups of 8 (5 groups, the last one partly padding-free): unnormalized
+    # weights with zeros; every token's frequency matches p / sum(p) and zeros never win.
+    rng = np.random.default_rng(1)
+    w = rng.random(40) ** 3
+    w[[3, 17, 18, 39]] = 0.0
+    p = w / w.sum()
+    r = 12000
+    probs = jnp.asarray(np.tile(w.astype(np.float32), (r, 1)))
+    tokens = np.asarray(smp.race(probs, arrays(r, seeds=np.arange(r)), group=8))
+    freq = np.bincount(tokens, minlength=40) / r
+    assert np.all(freq[w == 0] == 0)
+    assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / r) + 1e-3), (freq, p)
+    # a vocabulary that does not divide into groups: the padding never wins either
+    t2 = np.asarray(smp.race(probs[:, :37], arrays(r, seeds=np.arange(r)), group=8))
+    assert t2.max() < 37 and np.all(np.bincount(t2, minlength=37)[w[:37] == 0] == 0)
