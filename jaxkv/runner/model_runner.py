@@ -28,6 +28,7 @@ from jaxkv.runner.input_builder import build_step_input
 from jaxkv.step_input import StepInput
 
 logger = logging.getLogger("jaxkv")
+PENALTY_MIN_WIDTH = 64  # narrowest padded token-id width of the penalty arrays
 
 
 class ModelRunner:
@@ -177,12 +178,17 @@ class ModelRunner:
         return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step, seed_hi)
 
     def _penalty_arrays(self, out, r) -> smp.PenaltyArrays:
-        v, L = self.vocab_size, self.max_model_len
+        v = self.vocab_size
         rep = np.ones(r, np.float32)
         pres = np.zeros(r, np.float32)
         freq = np.zeros(r, np.float32)
-        prompt = np.full((r, L), v, np.int32)
-        output = np.full((r, L), v, np.int32)
+        # Token ids padded to the step's longest prompt or output (a power of two, so a few
+        # widths cover every step), not to max_model_len.
+        longest = max((max(len(s.prompt_token_ids), len(s.output_token_ids))
+                       for s in out.scheduled if s.prompt_token_ids is not None), default=0)
+        width = min(self.max_model_len, pow2_at_least(longest, PENALTY_MIN_WIDTH))
+        prompt = np.full((r, width), v, np.int32)
+        output = np.full((r, width), v, np.int32)
         banned_lists = [s.min_tokens_banned_ids for s in out.scheduled]
         banned = np.full((r, pow2_at_least(max(map(len, banned_lists), default=0))), v, np.int32)
         for i, s in enumerate(out.scheduled):

@@ -1,6 +1,7 @@
 """HF parity on the real model: jaxkv's greedy tokens equal transformers' (PyTorch, fp32, same
 GGUF) for 32 new tokens on six chat prompts, and first-step log-probabilities agree."""
 
+import numpy as np
 import torch
 
 from jaxkv import SamplingParams
@@ -55,3 +56,27 @@ def test_greedy_tokens_and_first_logprobs_match_transformers(llm, hf_smollm2):
         err = max(abs(v.logprob - first[k]) for k, v in lp0.items())
         assert err < 1e-3, f"first-step logprobs differ by {err}"
         assert lp0[got[0]].rank == 1
+
+
+def test_penalized_greedy_matches_transformers_logits_with_vllm_penalties(llm, hf_smollm2):
+    # A 100-token prompt (the penalty arrays are padded to the step's longest prompt or output,
+    # here 128 wide) and vLLM's three penalties applied to transformers' logits in numpy.
+    rep, freq, pres = 1.3, 0.4, 0.3
+    ids = [int(t) for t in np.random.default_rng(3).integers(100, 20000, 100)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=rep,
+                        frequency_penalty=freq, presence_penalty=pres)
+    got = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    ref, margins, seq = [], [], list(ids)
+    with torch.no_grad():
+        for _ in range(12):
+            z = hf_smollm2(torch.tensor([seq])).logits[0, -1].double().numpy()
+            seen = np.zeros(z.shape, bool)
+            seen[seq] = True
+            z = np.where(seen, np.where(z > 0, z / rep, z * rep), z)
+            counts = np.bincount(ref, minlength=z.shape[0])
+            z = z - freq * counts - pres * (counts > 0)
+            top = np.sort(z)[-2:]
+            margins.append(float(top[1] - top[0]))
+            ref.append(int(np.argmax(z)))
+            seq.append(ref[-1])
+    assert_same_or_near_tie(got, ref, margins, what="penalized greedy")
