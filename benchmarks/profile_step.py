@@ -13,10 +13,10 @@ shape, and these are timed (median of --reps calls after a warmup call):
   matmuls     every layer's 7 weight matmuls at the step's T rows (jitted alone)
   attention   one layer's attention at the step's shape (prepare once + attend), x num_layers
   kv_write    one layer's slot-mapping K/V write, x num_layers
-Rooflines, measured here: memory bandwidth (a jitted sum over 256 MiB) and matmul throughput
-(a jitted [T, hidden] x [hidden, intermediate] product at the step's T). matmul roofline = the
-step's matmul FLOPs / that throughput; attention roofline = the K/V bytes it must read /
-bandwidth; a single decode's roofline = the weight bytes / bandwidth (it is a weight read).
+Rooflines, measured here (benchmarks/roofline.py): memory bandwidth (a jitted sum over 256
+MiB) and matmul throughput (a jitted [T, hidden] x [hidden, intermediate] product at the
+step's T). matmul roofline = the step's matmul FLOPs / that throughput; attention roofline =
+the K/V bytes it must read / bandwidth; a single decode's roofline = the weight bytes / bandwidth (it is a weight read).
 
 Output: a table per shape and ONE JSON line (benchmarks/common.save) with, at least,
 decode_attention_ms_per_layer (64 x 256), decode_step_ms and decode_step_roofline_ms
@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.common import base_parser, machine_info, print_table, save, timed
+from benchmarks.roofline import linear_params, matmul_gflops, memory_gbps
 
 REFERENCE_SHAPES = [(64, 256, 1), (1, 256, 1)]
 
@@ -36,20 +37,6 @@ REFERENCE_SHAPES = [(64, 256, 1), (1, 256, 1)]
 def median_ms(fn, reps: int) -> float:
     """Median of `reps` calls of fn() in ms, after a warmup call."""
     return timed(fn, iters=reps)[1] * 1e3
-
-
-def probes(hidden: int, inter: int, rows: int, reps: int) -> tuple[float, float]:
-    """(memory GB/s, matmul GFLOP/s at [rows, hidden] x [hidden, inter]) on this device."""
-    import jax
-    import jax.numpy as jnp
-    x = jnp.ones((64 << 20,), jnp.float32)  # 256 MiB
-    total = jax.jit(lambda a: a.sum())
-    gbs = x.nbytes / (median_ms(lambda: total(x), reps) / 1e3) / 1e9
-    a = jnp.ones((rows, hidden), jnp.float32)
-    b = jnp.ones((hidden, inter), jnp.float32)
-    mm = jax.jit(lambda a, b: a @ b)
-    gflops = 2 * rows * hidden * inter / (median_ms(lambda: mm(a, b), reps) / 1e3) / 1e9
-    return gbs, gflops
 
 
 def scheduler_output(num_seqs, context, tokens, block_size, seed, temperature=0.0):
@@ -83,7 +70,6 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
 
     rng = np.random.default_rng(seed)
     h = jnp.asarray(rng.standard_normal((t, c.hidden_size)), jnp.float32)
-    names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "o_proj")
 
     def matmuls(params, h):
         acc = 0.0
@@ -100,7 +86,7 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
         return acc
     mm = jax.jit(matmuls)
     row["matmuls_ms"] = median_ms(lambda: mm(p, h), reps)
-    flops = 2 * t * sum(int(np.prod(p["layers_0"][n]["kernel"].shape)) for n in names) * c.num_layers
+    flops = 2 * t * linear_params(c)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(p))
 
     attn, (kc, vc) = runner.model.attention, runner.kv_cache
@@ -122,7 +108,7 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     row["kv_write_ms"] = median_ms(write_once, reps) * c.num_layers
     runner.kv_cache = state["kv"]
 
-    gbs, gflops = probes(c.hidden_size, c.intermediate_size, t, reps)
+    gbs, gflops = memory_gbps(reps), matmul_gflops(t, c.hidden_size, c.intermediate_size, reps)
     kv_bytes = int(si.seq_lens.sum()) * 2 * c.num_kv_heads * c.head_dim * 4  # per layer, float32
     row.update(memory_GBps=gbs, matmul_GFLOPs=gflops,
                matmul_roofline_ms=flops / gflops / 1e6,

@@ -1,0 +1,82 @@
+"""This machine's rooflines, measured in the run that uses them, and the FLOP model of a workload.
+
+Probes (jitted, median of `reps` calls after a warmup):
+  memory_gbps     a sum over 256 MiB of float32: the read bandwidth a weight read can reach;
+  matmul_gflops   a [rows, hidden] x [hidden, intermediate] product: the GEMM throughput at a
+                  step's shape (rows = the step's token rows).
+FLOP model of a Llama-family decoder (float32, multiply-add = 2 FLOPs), per token computed:
+  2 x (the weight matrices' parameters: q, k, v, o, gate, up, down of every layer)
+  + 4 x context x num_heads x head_dim x num_layers (QK^T and PV over the token's context)
+  + 2 x hidden_size x vocab_size when the token's row is sampled (the logits).
+For the embedded SmolLM2-135M that is 0.21 GFLOP per prefill token and 0.27 per decoded token
+at a 256-token context.
+
+The workload roofline prices prefill tokens at the GEMM throughput of a full prefill step
+(`prefill_rows`, the token budget) and decoded tokens at that of a decode step
+(`decode_rows`, the running sequences), which is the best this machine's GEMMs do at those
+shapes; `roofline_tok_s` = output tokens / that time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script or a module
+from common import timed  # noqa: E402
+
+
+def memory_gbps(reps: int = 10) -> float:
+    """Read bandwidth in GB/s: a jitted sum over 256 MiB of float32."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((64 << 20,), jnp.float32)
+    return x.nbytes / timed(jax.jit(lambda a: a.sum()), x, iters=reps)[1] / 1e9
+
+
+def matmul_gflops(rows: int, hidden: int, inter: int, reps: int = 10) -> float:
+    """GFLOP/s of a jitted float32 [rows, hidden] x [hidden, inter] product."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.ones((rows, hidden), jnp.float32)
+    b = jnp.ones((hidden, inter), jnp.float32)
+    return 2 * rows * hidden * inter / timed(jax.jit(lambda a, b: a @ b), a, b, iters=reps)[1] / 1e9
+
+
+def linear_params(cfg) -> int:
+    """Parameters of one token's weight matmuls (all layers; embedding and logits excluded)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
+
+
+def token_flops(cfg, context: int, sampled: bool) -> float:
+    """FLOPs of one token computed at `context` (itself included)."""
+    attn = 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return 2 * linear_params(cfg) + attn + (2 * cfg.hidden_size * cfg.vocab_size if sampled else 0)
+
+
+def workload_flops(cfg, prompt_lens, new_tokens: int) -> tuple[float, float]:
+    """(prefill FLOPs, decode FLOPs) of prompts of these lengths, each generating new_tokens:
+    every prompt token once (the last one sampled), then new_tokens - 1 decoded tokens, each
+    sampled."""
+    pre = dec = 0.0
+    for p in prompt_lens:
+        c = np.arange(1, p + 1)
+        pre += len(c) * 2 * linear_params(cfg) + 4 * c.sum() * cfg.num_heads * cfg.head_dim * cfg.num_layers
+        pre += 2 * cfg.hidden_size * cfg.vocab_size
+        dec += sum(token_flops(cfg, p + j, True) for j in range(1, new_tokens))
+    return pre, dec
+
+
+def workload_roofline(cfg, prompt_lens, new_tokens: int, *, decode_rows: int, prefill_rows: int,
+                      reps: int = 10) -> dict:
+    """The workload's compute roofline measured now: GFLOP/s probes at the decode and prefill
+    step shapes, the workload's FLOPs, and roofline_s / roofline_tok_s."""
+    pre, dec = workload_flops(cfg, prompt_lens, new_tokens)
+    g_dec = matmul_gflops(decode_rows, cfg.hidden_size, cfg.intermediate_size, reps)
+    g_pre = matmul_gflops(prefill_rows, cfg.hidden_size, cfg.intermediate_size, reps)
+    secs = pre / g_pre / 1e9 + dec / g_dec / 1e9
+    return {"workload_gflop": (pre + dec) / 1e9, "decode_GFLOPs": g_dec, "prefill_GFLOPs": g_pre,
+            "roofline_s": secs, "roofline_tok_s": len(prompt_lens) * new_tokens / secs}
