@@ -13,7 +13,11 @@ and shared-prefix (one --prefix-len random prefix shared by every request + --in
 suffix). Per level, with vLLM's definitions: completed and failed requests, duration, request
 and output throughput, and mean/median/p99 in ms of TTFT (time to the first streamed token),
 TPOT ((E2EL - TTFT) / (output tokens - 1) per request), ITL (gaps between streamed chunks) and
-E2EL (request latency).
+E2EL (request latency). After the sweep, with the server stopped, each level's compute
+roofline is measured (benchmarks/roofline.py: its requests' FLOPs over this machine's GEMM
+throughput at its decode and prefill step shapes): roofline_tok_s and roofline_fraction
+(output throughput over it; the speed issue's target is >= 0.6 at concurrency 64, and output
+throughput that never falls as concurrency rises).
 
 Knee: scanning the levels upwards, a level is comfortable when its output throughput is at
 least 10% above the previous level's AND its median TPOT and p99 TTFT stay within
@@ -45,6 +49,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import base_parser, print_table, save
+from roofline import workload_roofline
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -216,6 +221,24 @@ def sweep(url, model, tok, args, levels, extra, label) -> dict:
     return {"levels": out, "knee_concurrency": knee(out, args.knee_factor), "model": model}
 
 
+def add_rooflines(levels, args, max_num_seqs: int = 64, budget: int = 512) -> None:
+    """Each level's compute roofline (benchmarks/roofline.py), measured now that the server
+    has stopped: its requests' FLOPs (mean prompt tokens, output_len new tokens each) over
+    this machine's GEMM throughput at its decode rows (min(concurrency, max_num_seqs)) and the
+    prefill budget; roofline_fraction = output_throughput / roofline_tok_s."""
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+    cfg = ModelConfig.from_hf_config(read_config(args.model_path))
+    for lv in levels:
+        if not lv["completed"] or not lv["mean_prompt_tokens"]:
+            continue
+        roof = workload_roofline(cfg, [round(lv["mean_prompt_tokens"])] * lv["completed"],
+                                 args.output_len, decode_rows=min(lv["max_concurrency"], max_num_seqs),
+                                 prefill_rows=budget)
+        lv["roofline_tok_s"] = roof["roofline_tok_s"]
+        lv["roofline_fraction"] = lv["output_throughput"] / roof["roofline_tok_s"]
+
+
 def start_jaxkv(args) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--disable-uvicorn-access-log",
@@ -290,7 +313,9 @@ def main():
                 if srv is not None:
                     srv.stop()
 
+    add_rooflines(res["levels"], args)
     cols = ["max_concurrency", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
+            "roofline_fraction",
             *(f"{s}_{m}_ms" for m in METRICS for s in ("median", "p99"))]
     print()
     print_table(res["levels"], cols, "{:.1f}")
