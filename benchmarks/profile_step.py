@@ -12,6 +12,8 @@ shape, and these are timed (median of --reps calls after a warmup call):
               the transfer of the tokens back
   matmuls     every layer's 7 weight matmuls at the step's T rows (jitted alone)
   attention   one layer's attention at the step's shape (prepare once + attend), x num_layers
+  gather      copying one layer's K and V blocks of the step's sequences (the floor of an
+              attention that gathers before it computes, as XLA does)
   kv_write    one layer's slot-mapping K/V write, x num_layers
 Rooflines, measured here (benchmarks/roofline.py): memory bandwidth (a jitted sum over 256
 MiB) and matmul throughput (a jitted [T, hidden] x [hidden, intermediate] product at the
@@ -98,6 +100,12 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     row["attention_ms_per_layer"] = median_ms(lambda: one(q, kc, vc, si, shared), reps)
     row["attention_prepare_ms"] = median_ms(lambda: prep(si), reps)
     row["attention_ms"] = row["attention_ms_per_layer"] * c.num_layers + row["attention_prepare_ms"]
+    # The floor of any attention that gathers the context before computing on it (XLA cannot
+    # fuse a gather into a dot): copying one layer's K and V blocks of the step.
+    used = -(-int(si.seq_lens.max()) // runner.block_size)
+    tables = jnp.asarray(si.block_tables[:num_seqs, :used])
+    gather = jax.jit(lambda kc, vc, b: (kc[0, b], vc[0, b]))
+    row["attention_gather_ms_per_layer"] = median_ms(lambda: gather(kc, vc, tables), reps)
     kv = jnp.asarray(rng.standard_normal((t, c.num_kv_heads, c.head_dim)), jnp.float32)
     write = jax.jit(lambda kc, vc, k, v, s: write_kv(kc, vc, k, v, s, 0), donate_argnums=(0, 1))
     state = {"kv": (kc, vc)}
@@ -138,7 +146,7 @@ def main():
     print(f"machine: {machine_info()}")
     print_table(rows, ["shape", "bucket", "step_ms", "step_roofline_ms", "host_ms", "sample_ms",
                        "matmuls_ms", "matmul_roofline_ms", "attention_ms", "attention_ms_per_layer",
-                       "attention_roofline_ms_per_layer", "kv_write_ms"])
+                       "attention_roofline_ms_per_layer", "attention_gather_ms_per_layer", "kv_write_ms"])
     data = {"rows": rows}
     by = {r["shape"]: r for r in rows}
     if args.temperature > 0:  # the reference keys are the greedy profile's
