@@ -8,10 +8,10 @@ sampler for its row count R = min(T, max_num_seqs). It lowers from abstract shap
 to every step, so another thread's step may delete a live array while it is being lowered.
 
 Warmup compiles the warmup buckets before the engine is ready. `BackgroundCompiler` compiles
-the others one after another (ascending) on a daemon thread, and switches each in
-(`ModelRunner.add_compiled_bucket`) only once all its programs exist; the runner pads every
-step to the smallest compiled bucket holding it, so no step waits for a compile. JAX's
-persistent compilation cache keeps the programs for the next start.
+the others one after another (ascending) on a daemon thread at low priority (nice 19 on
+Linux), and switches each in (`ModelRunner.add_compiled_bucket`) only once all its programs
+exist; the runner pads every step to the smallest compiled bucket holding it, so no step waits
+for a compile. JAX's persistent compilation cache keeps the programs for the next start.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
+import sys
 import threading
 import time
 
@@ -114,6 +116,7 @@ class BackgroundCompiler:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        _lower_this_threads_priority()
         t0 = time.perf_counter()
         try:
             with self.compiles:
@@ -135,6 +138,17 @@ class BackgroundCompiler:
             with _lock:
                 _running.discard(self)
             self._done.set()
+
+
+def _lower_this_threads_priority() -> None:
+    """Nice 19 for the calling thread (Linux only: there a thread id names one thread), so
+    that steps get the CPU first. XLA's own compile workers keep their priority, and the
+    lowering (Python) still shares the GIL with the engine thread."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 _lock = threading.Lock()
