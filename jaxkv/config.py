@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,13 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+
+
+def _positive_int(x) -> bool:
+    try:
+        return not isinstance(x, bool) and operator.index(x) >= 1
+    except TypeError:
+        return False
 
 
 def check_batched_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> None:
@@ -71,8 +79,13 @@ class EngineArgs:
     swap_space: float = _arg(0, "reserved: host-memory swap is not implemented yet (0)")
     tensor_parallel_size: int = _arg(1, "reserved: only 1 is supported yet")
     token_buckets: tuple[int, ...] | None = _arg(
-        None, "padded token counts of a step, e.g. 8,64,256 (default: powers of 8 below "
+        None, "padded token counts of a step, e.g. 8,64,256 (default: powers of 2 below "
         "max_num_batched_tokens, then the budget)", type=_int_list, metavar="N,N,...")
+    warmup_token_buckets: tuple[int, ...] | None = _arg(
+        None, "the token buckets compiled before the engine is ready; the others compile in a "
+        "background thread and steps use them once compiled (default: powers of 8 below "
+        "max_num_batched_tokens, then the budget; all of --token-buckets when those are given)",
+        type=_int_list, metavar="N,N,...")
 
     def __post_init__(self):
         def bad(name, rule):
@@ -112,10 +125,15 @@ class EngineArgs:
             bad("swap_space", "is reserved: swapping to host memory is not implemented yet (use 0)")
         if self.tensor_parallel_size != 1:
             bad("tensor_parallel_size", "is reserved: only 1 is supported yet")
-        if self.token_buckets is not None:
-            b = sorted(set(int(x) for x in self.token_buckets))
-            if not b or b[0] < 1:
-                bad("token_buckets", "must be a non-empty list of positive integers")
+        for name in ("token_buckets", "warmup_token_buckets"):
+            v = getattr(self, name)
+            if v is not None and (not v or not all(_positive_int(x) for x in v)):
+                bad(name, "must be a non-empty list of positive integers")
+        if self.token_buckets and self.warmup_token_buckets:
+            stray = sorted(set(self.warmup_token_buckets) - set(self.token_buckets))
+            if stray:
+                bad("warmup_token_buckets", f"must be among token_buckets {tuple(self.token_buckets)} "
+                    f"({stray[0]} is not)")
 
     def create_engine_config(self, *, platform: str, model_config=None,
                              device_memory_bytes: int | None = None):

@@ -2,9 +2,10 @@
 
 `create_engine_config` (also `EngineArgs.create_engine_config`, vLLM's name) is the one place
 where defaults meet the platform and the model: max_model_len from the model, the dtype and
-attention backend for the platform, the token budget and its buckets, and the number of KV
-blocks. The scheduler, the runner, the engine and `jaxkv plan` all read the same record, so
-`jaxkv plan` reports what `jaxkv serve` would allocate. Plain Python: no JAX import here.
+attention backend for the platform, the token budget and its buckets (and which of them
+compile before the engine is ready), and the number of KV blocks. The scheduler, the runner,
+the engine and `jaxkv plan` all read the same record, so `jaxkv plan` reports what
+`jaxkv serve` would allocate. Plain Python: no JAX import here.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class RunnerConfig:
     token_buckets: tuple[int, ...]  # padded token counts of a step, ascending; last >= budget
     max_logprobs: int
     enforce_eager: bool
+    # The token buckets compiled before the engine is ready (a subset of token_buckets holding
+    # one >= the budget); the others compile in a background thread after warmup.
+    warmup_token_buckets: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -61,20 +65,62 @@ class EngineConfig:
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Powers of 8 below the budget, then the budget: (1, 8, 64, 512) for 512 tokens.
+    """Powers of 2 below the budget, then the budget: (1, 2, 4, ..., 256, 512) for 512 tokens.
 
-    Each bucket is one compiled program of ~8 s on the 2-core CPU (30 unrolled layers), and
-    the start-up warmup must stay under a minute, so the list is short. It still fits the
-    common steps: 1 is a lone decode (bound by reading the weights, so padding it to 8 rows
-    would cost ~1.5x), 8 and 64 are decode batches (64 = max_num_seqs), and steps that carry
-    a prefill chunk fill the whole budget anyway.
+    Padding is expensive on a CPU: the weight matmuls of a whole 30-layer SmolLM2 step cost
+    about 21 ms at 1 row, 34 at 8, 41 at 16, 56 at 32, 78 at 64 and 433 at 512 (2 cores), so a
+    step pads to at most twice its tokens. Each bucket is one compiled program of ~8-10 s, so
+    only the coarse ones (`coarse_token_buckets`) are compiled before the engine is ready; the
+    others compile in a background thread and are used once they land.
     """
+    out, b = [], 1
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_num_batched_tokens)
+    return tuple(out)
+
+
+def coarse_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of 8 below the budget, then the budget: (1, 8, 64, 512) for 512 tokens, the
+    default warmup buckets. Four programs keep the cold start under a minute on 2 cores and
+    still fit the common steps: 1 is a lone decode, 8 and 64 decode batches, and steps that
+    carry a prefill chunk often fill the budget."""
     out, b = [], 1
     while b < max_num_batched_tokens:
         out.append(b)
         b *= 8
     out.append(max_num_batched_tokens)
     return tuple(out)
+
+
+def resolve_token_buckets(token_buckets, warmup_token_buckets, max_num_batched_tokens: int):
+    """(token_buckets, warmup_token_buckets), sorted and deduplicated.
+
+    Neither given: powers of 2 (`default_token_buckets`), the coarse ones at warmup. Explicit
+    token_buckets alone are all compiled at warmup. Explicit warmup_token_buckets must be among
+    token_buckets and hold one >= max_num_batched_tokens, so that every step has a compiled
+    bucket from the start. ValueError naming the field otherwise."""
+    mnbt = max_num_batched_tokens
+    buckets = (tuple(sorted(set(int(x) for x in token_buckets))) if token_buckets
+               else default_token_buckets(mnbt))
+    if buckets[-1] < mnbt:
+        raise ValueError(f"token_buckets {buckets} must reach max_num_batched_tokens={mnbt}")
+    if warmup_token_buckets:
+        warm = tuple(sorted(set(int(x) for x in warmup_token_buckets)))
+        stray = [b for b in warm if b not in buckets]
+        if stray:
+            raise ValueError(f"warmup_token_buckets {warm}: {stray[0]} is not one of token_buckets "
+                             f"{buckets}")
+        if warm[-1] < mnbt:
+            raise ValueError(f"warmup_token_buckets {warm} must hold a bucket >= "
+                             f"max_num_batched_tokens={mnbt}, so that every step has a compiled "
+                             "program from the start")
+    elif token_buckets:
+        warm = buckets
+    else:
+        warm = coarse_token_buckets(mnbt)
+    return buckets, warm
 
 
 def resolve_backend(name: str, platform: str) -> str:
@@ -112,10 +158,8 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     mnbt = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if platform == "gpu"
                                            else CPU_MAX_NUM_BATCHED_TOKENS)
     check_batched_tokens(mnbt, args.max_num_seqs)
-    buckets = (tuple(sorted(set(int(x) for x in args.token_buckets))) if args.token_buckets
-               else default_token_buckets(mnbt))
-    if buckets[-1] < mnbt:
-        raise ValueError(f"token_buckets {buckets} must reach max_num_batched_tokens={mnbt}")
+    buckets, warmup_buckets = resolve_token_buckets(args.token_buckets, args.warmup_token_buckets,
+                                                    mnbt)
     kv_bytes = None if args.kv_cache_memory_bytes is None else parse_bytes(args.kv_cache_memory_bytes)
     budget = plan_kv_cache(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -129,4 +173,4 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget),
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
-                            args.max_logprobs, args.enforce_eager))
+                            args.max_logprobs, args.enforce_eager, warmup_buckets))

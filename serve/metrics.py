@@ -23,7 +23,10 @@ _GAUGES = (("num_requests_running", "num_running", "Number of requests in model 
            ("num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
            ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
            ("num_free_blocks", "num_free_blocks", "Free KV-cache blocks (cached ones included)."),
-           ("num_total_blocks", "num_total_blocks", "Usable KV-cache blocks."))
+           ("num_total_blocks", "num_total_blocks", "Usable KV-cache blocks."),
+           ("num_token_buckets", "num_token_buckets", "Token buckets (padded step sizes) configured."),
+           ("num_compiled_token_buckets", "num_compiled_token_buckets",
+            "Token buckets whose programs are compiled; steps pad to these."))
 _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
              ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
              ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),

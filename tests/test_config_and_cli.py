@@ -15,7 +15,9 @@ from jaxkv.core.kv_budget import parse_bytes, plan_kv_cache
     (dict(dtype="fp8"), "dtype"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(kv_cache_memory_bytes="lots"), "kv_cache_memory_bytes"), (dict(load_format="pt"), "load_format"),
     (dict(attention_backend="cuda"), "attention_backend"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
-    (dict(max_model_len=-1), "max_model_len"),
+    (dict(max_model_len=-1), "max_model_len"), (dict(token_buckets=(8, 0)), "token_buckets"),
+    (dict(warmup_token_buckets=()), "warmup_token_buckets"),
+    (dict(token_buckets=(8, 64), warmup_token_buckets=(16, 64)), "warmup_token_buckets"),
 ])
 def test_engine_args_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -69,7 +71,9 @@ def test_engine_config_is_resolved_once_per_platform_and_frozen():
     assert (cpu.runner.dtype, gpu.runner.dtype) == ("float32", "bfloat16")
     assert (cpu.runner.attention_backend, gpu.runner.attention_backend) == ("xla", "pallas")
     assert (cpu.scheduler.max_num_batched_tokens, gpu.scheduler.max_num_batched_tokens) == (512, 8192)
-    assert cpu.runner.token_buckets == (1, 8, 64, 512)
+    assert cpu.runner.token_buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert cpu.runner.warmup_token_buckets == (1, 8, 64, 512)  # the rest compile in the background
+    assert gpu.runner.warmup_token_buckets == (1, 8, 64, 512, 4096, 8192)
     assert gpu.cache.budget.bytes_per_token * 2 == cpu.cache.budget.bytes_per_token == 46080
     assert gpu.cache.num_blocks == 2 * cpu.cache.num_blocks  # same bytes, half the size per token
     # gpu_memory_utilization: 90% of the device minus the weights (bf16) becomes KV blocks.
@@ -81,6 +85,30 @@ def test_engine_config_is_resolved_once_per_platform_and_frozen():
         cpu.scheduler.max_num_seqs = 3
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineArgs(max_num_seqs=1024).create_engine_config(platform="cpu", model_config=mc)
+
+
+def test_token_buckets_and_which_compile_at_warmup():
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+
+    mc = ModelConfig.from_hf_config(read_config(None))
+
+    def runner(**kw):
+        rc = EngineArgs(**kw).create_engine_config(platform="cpu", model_config=mc).runner
+        return rc.token_buckets, rc.warmup_token_buckets
+
+    # A budget that is no power of two ends both lists.
+    assert runner(max_num_batched_tokens=100) == ((1, 2, 4, 8, 16, 32, 64, 100), (1, 8, 64, 100))
+    # Explicit buckets keep their meaning: all compiled at warmup, nothing in the background.
+    assert runner(max_num_batched_tokens=256, token_buckets=(256, 8, 64, 8)) == ((8, 64, 256),) * 2
+    assert runner(warmup_token_buckets=(512, 4)) == (tuple(2 ** i for i in range(10)), (4, 512))
+    with pytest.raises(ValueError, match=r"warmup_token_buckets .*3 is not one of token_buckets"):
+        runner(warmup_token_buckets=(3, 512))
+    with pytest.raises(ValueError, match=r"warmup_token_buckets \(8, 64\) must hold a bucket >= "
+                                         r"max_num_batched_tokens=512"):
+        runner(warmup_token_buckets=(8, 64))
+    with pytest.raises(ValueError, match="token_buckets"):
+        runner(max_num_batched_tokens=256, token_buckets=(8, 64))
 
 
 def test_num_params_counts_the_loaded_weights(llm):

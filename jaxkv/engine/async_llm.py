@@ -159,10 +159,11 @@ class AsyncLLM:
         self._post(("abort", list(request_ids)))
 
     def shutdown(self) -> None:
-        """Stop the engine thread (after the step in flight); unfinished streams get
-        EngineDeadError."""
+        """Stop the engine thread (after the step in flight) and the engine's background
+        compile of token buckets; unfinished streams get EngineDeadError."""
         self._post(("stop",))
         self._thread.join()
+        self.engine.shutdown()
 
     def _post(self, cmd) -> None:
         with self._cond:

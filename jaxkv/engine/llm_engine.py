@@ -239,6 +239,13 @@ class LLMEngine:
         any request holds blocks; True once done."""
         return self.scheduler.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the background compile of token buckets (after the program in flight). The
+        engine stays usable: its steps keep to the buckets compiled so far."""
+        stop = getattr(self.runner, "shutdown", None)  # a test's fake runner has none
+        if stop is not None:
+            stop()
+
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
         return EngineStats(
@@ -250,4 +257,6 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
+            token_buckets=self.config.runner.token_buckets,
+            compiled_token_buckets=self.runner.compiled_token_buckets,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)

@@ -1,10 +1,12 @@
 """Building an engine from EngineArgs: load the checkpoint, resolve the EngineConfig (KV pool
-size included), build the model, runner and scheduler from it, warm up."""
+size included), build the model, runner and scheduler from it, warm up (the warmup token
+buckets), and start the background compiler of the other buckets."""
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 logger = logging.getLogger("jaxkv")
 
@@ -70,6 +72,12 @@ def build_engine(cls, args):
                 sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6, time.perf_counter() - t0)
     if not rc.enforce_eager:
         secs, n = runner.warmup()
-        logger.info("warmup compiled %d programs in %.1f s (token buckets %s)", n, secs,
-                    list(rc.token_buckets))
-    return cls(config, ckpt.tokenizer, scheduler, runner)
+        rest = [t for t in rc.token_buckets if t not in rc.warmup_token_buckets]
+        logger.info("warmup compiled %d programs in %.1f s (token buckets %s)%s", n, secs,
+                    list(rc.warmup_token_buckets),
+                    f"; token buckets {rest} compile in the background" if rest else "")
+    engine = cls(config, ckpt.tokenizer, scheduler, runner)
+    compiler = runner.start_background_compile()
+    if compiler is not None:  # a dropped engine stops its compiler (the thread holds the runner)
+        weakref.finalize(engine, compiler.cancel)
+    return engine

@@ -4,11 +4,13 @@ Every `interval_s` seconds while the engine has work (or did some since the last
 
     Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 96.0 tokens/s,
     Running: 12 reqs, Waiting: 3 reqs, Preemptions: 0, KV cache usage: 41.2%,
-    Prefix cache hit rate: 37.5%
+    Prefix cache hit rate: 37.5%, Compiled token buckets: 7/10
 
 Prompt throughput counts prompt tokens run through the model (prefix-cache hits excluded,
 recompute after preemption included); the hit rate is over the prompt tokens looked up since
-the previous line (lifetime when none were).
+the previous line (lifetime when none were). The last field counts the token buckets whose
+programs are compiled (the others are still compiling in the background; steps pad to the
+compiled ones).
 """
 
 from __future__ import annotations
@@ -50,5 +52,8 @@ class LoggingStatLogger:
                 f"Preemptions: {stats.num_preemptions}, "
                 f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * d_h / d_q if d_q else 0.0:.1f}%")
+        if stats.token_buckets:
+            line += (f", Compiled token buckets: {len(stats.compiled_token_buckets)}/"
+                     f"{len(stats.token_buckets)}")
         logger.info(line)
         return line

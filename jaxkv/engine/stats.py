@@ -16,9 +16,19 @@ class EngineStats:
     num_computed_prompt_tokens: int  # prompt tokens run through the model (recompute included)
     num_generation_tokens: int     # tokens sampled
     num_preemptions: int           # requests preempted
-    num_compilations: int          # backend compiles of the engine's jitted functions (warmup included)
+    num_compilations: int          # programs compiled by the engine (warmup and background included)
     num_running: int
     num_waiting: int
+    token_buckets: tuple[int, ...] = ()           # every padded token count of a step
+    compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
+
+    @property
+    def num_token_buckets(self) -> int:
+        return len(self.token_buckets)
+
+    @property
+    def num_compiled_token_buckets(self) -> int:
+        return len(self.compiled_token_buckets)
 
     def to_dict(self) -> dict:
         return asdict(self)

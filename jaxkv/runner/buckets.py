@@ -1,7 +1,8 @@
 """Padding sizes that bound the number of compiled programs.
 
 Token rows are padded to a bucket from a short list (jaxkv.engine_config.default_token_buckets:
-powers of 8 below max_num_batched_tokens, then the budget); sampling rows to
+powers of 2 below max_num_batched_tokens, then the budget; of those, the runner picks among the
+buckets compiled so far, see jaxkv/runner/compiler.py); sampling rows to
 min(token bucket, max_num_seqs). The block-table
 width is fixed at the most blocks a max_model_len sequence needs: attention visits the context
 in chunks with a trip count set by the longest context of the step (see

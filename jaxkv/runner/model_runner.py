@@ -3,14 +3,15 @@
 The step `(params, kv_cache, StepInput) -> (hidden, kv_cache)` is ONE jitted function whose
 KV pool argument is donated, so XLA updates the pool in place; the pool is allocated once here
 and never copied or reallocated. It is compiled ahead of time per token bucket (and, for an
-attention backend with a decode kernel, per bucket once more for decode-only steps). Logits of
+attention backend with a decode kernel, per bucket once more for decode-only steps; see
+jaxkv/runner/compiler.py): the warmup buckets before the engine is ready, the others in a
+background thread, and each step is padded to the smallest bucket compiled so far. Logits of
 each sequence's last row and sampling run in a second, small jitted function (`sample`), so
 sampler variants do not multiply the model's programs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -24,6 +25,7 @@ from jaxkv.models.llama import LlamaModel
 from jaxkv.runner import sampler as smp
 from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
 from jaxkv.runner.compile_counter import CompileCounter
+from jaxkv.runner.compiler import BackgroundCompiler, compile_bucket
 from jaxkv.runner.input_builder import build_step_input
 from jaxkv.step_input import StepInput
 
@@ -45,13 +47,26 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.num_blocks = cc.num_blocks
         self.kv_cache = self._new_kv_cache()
+        self.kv_spec = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.kv_cache)
         self.enforce_eager = enforce_eager = rc.enforce_eager
         self.mark_decode_only = model.attention.uses_decode_only
+        self.warmup_token_buckets = rc.warmup_token_buckets
+        # A decode-only step holds at most max_num_seqs tokens, and the warmup buckets are
+        # always compiled, so it never pads beyond this bucket: decode-only programs up to it.
+        self.decode_max = (pick_bucket(self.warmup_token_buckets, self.max_num_seqs)
+                           if self.mark_decode_only else 0)
+        # Buckets whose programs are all compiled ahead of time (warmup, then the background
+        # compiler); steps pad to these. Until warmup runs (or with enforce_eager) every
+        # bucket is usable and a missing step program compiles on first use.
+        self.compiled_token_buckets: tuple[int, ...] = ()
+        self._usable_buckets = self.token_buckets
+        self.background: BackgroundCompiler | None = None
         self.compiles = CompileCounter()  # every program this runner's calls compile
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated.
         self.jitted_step = jit(self.step_fn, donate_argnums=(1,))
         self._step_exe: dict[tuple[int, bool], object] = {}  # (bucket, decode_only) -> AOT step
+        self._sampler_rows: set[int] = set()  # row counts whose sampler programs are compiled
         # The sampled rows are gathered by a small program of their own, so the sampler's
         # programs depend on the row count only (token buckets 64 and 512 share them).
         self._gather_rows = jit(lambda hidden, idx: hidden[idx])
@@ -77,14 +92,20 @@ class ModelRunner:
     # ---- bookkeeping --------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
-        """XLA programs this runner's calls compiled (or loaded from the persistent cache),
-        warmup included, as counted by JAX's public compile events."""
-        return self.compiles.programs
+        """XLA programs this runner compiled (or loaded from the persistent cache), warmup
+        and the background compiler included, as counted by JAX's public compile events."""
+        bg = self.background.compiles.programs if self.background is not None else 0
+        return self.compiles.programs + bg
+
+    def add_compiled_bucket(self, t: int) -> None:
+        """Switch bucket `t` in: every program of it is compiled (jaxkv.runner.compiler)."""
+        self.compiled_token_buckets = tuple(sorted({*self.compiled_token_buckets, t}))
+        self._usable_buckets = self.compiled_token_buckets  # one assignment: thread-safe
 
     def build_inputs(self, out: SchedulerOutput) -> StepInput:
         """The StepInput of a SchedulerOutput, padded to its token bucket (the smallest
-        holding its tokens; ValueError if none does)."""
-        t = pick_bucket(self.token_buckets, out.total_num_scheduled_tokens)
+        compiled one holding its tokens; ValueError if none does)."""
+        t = pick_bucket(self._usable_buckets, out.total_num_scheduled_tokens)
         return build_step_input(out, block_size=self.block_size, num_tokens=t,
                                 rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
                                 mark_decode_only=self.mark_decode_only)
@@ -92,7 +113,8 @@ class ModelRunner:
     def forward(self, step: StepInput) -> jax.Array:
         """Run the jitted step: write the step's K/V into the pool (donated, updated in place)
         and return hidden float [T, hidden_size] (after the final norm). The step program of
-        (T, step.decode_only) is compiled ahead of time at warmup, or here on first use."""
+        (T, step.decode_only) is compiled ahead of time (warmup or the background compiler),
+        or here on first use when no warmup ran."""
         with self.compiles:
             hidden, self.kv_cache = self._run_step(self.params, self.kv_cache, step)
         return hidden
@@ -215,27 +237,31 @@ class ModelRunner:
 
     # ---- warmup -------------------------------------------------------------------------
     def warmup(self) -> tuple[float, int]:
-        """Compile every token bucket of the step (with a decode kernel, the buckets a
-        decode-only step can use, up to the one holding max_num_seqs tokens, twice: mixed and
-        decode-only) and the greedy/random/filtered sampler for every row count
-        (min(bucket, max_num_seqs)). Returns (seconds, programs compiled)."""
+        """Compile every program of the warmup buckets (jaxkv.runner.compiler.compile_bucket)
+        and switch them in; from here on steps pad to compiled buckets only. Returns
+        (seconds, programs compiled)."""
         t0, n0 = time.perf_counter(), self.num_compilations
-        empty = SchedulerOutput([])
-        # A decode-only step holds at most max_num_seqs tokens: no bucket above this one.
-        decode_max = pick_bucket(self.token_buckets, self.max_num_seqs) if self.mark_decode_only else 0
         with self.compiles:
-            for t in self.token_buckets:
-                r = num_rows(t, self.max_num_seqs)
-                si = build_step_input(empty, block_size=self.block_size, num_tokens=t, rows=r,
-                                      max_blocks=self.max_blocks)
-                for decode_only in ([False, True] if t <= decode_max else [False]):
-                    hidden = self.forward(dataclasses.replace(si, decode_only=decode_only))
-                s_arr = self._sampling_arrays(empty, r)
-                rows = self._gather_rows(hidden, si.logits_indices)
-                for mode in smp.MODES:
-                    jax.block_until_ready(self._sample(self.params, rows, s_arr, None, mode=mode,
-                                                       num_logprobs=0))
+            for t in self.warmup_token_buckets:
+                compile_bucket(self, t)
+                self.add_compiled_bucket(t)
         return time.perf_counter() - t0, self.num_compilations - n0
+
+    def start_background_compile(self) -> BackgroundCompiler | None:
+        """After warmup: compile the other token buckets on a daemon thread (ascending), each
+        used by steps once all its programs exist. None when there are none, or no warmup ran
+        (enforce_eager: nothing is compiled ahead of time)."""
+        rest = tuple(t for t in self.token_buckets if t not in self.compiled_token_buckets)
+        if not rest or not self.compiled_token_buckets or self.background is not None:
+            return None
+        self.background = BackgroundCompiler(self, rest).start()
+        return self.background
+
+    def shutdown(self) -> None:
+        """Stop the background compiler (after the program in flight); the runner stays
+        usable with the buckets compiled so far."""
+        if self.background is not None:
+            self.background.stop()
 
 
 def _needs_penalties(s) -> bool:

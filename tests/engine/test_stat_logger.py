@@ -10,7 +10,9 @@ from jaxkv.engine.stats import EngineStats
 IDLE = EngineStats(num_total_blocks=100, num_free_blocks=100, kv_cache_usage=0.0,
                    prefix_cache_queries=0, prefix_cache_hits=0, num_prompt_tokens=0,
                    num_computed_prompt_tokens=0, num_generation_tokens=0, num_preemptions=0,
-                   num_compilations=0, num_running=0, num_waiting=0)
+                   num_compilations=0, num_running=0, num_waiting=0,
+                   token_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                   compiled_token_buckets=(1, 8, 64, 512))
 
 
 def test_rates_over_the_interval_and_silence_when_idle():
@@ -26,12 +28,14 @@ def test_rates_over_the_interval_and_silence_when_idle():
     line = lg.maybe_log(busy)
     assert line == ("Avg prompt throughput: 200.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
                     "Running: 3 reqs, Waiting: 2 reqs, Preemptions: 1, KV cache usage: 25.0%, "
-                    "Prefix cache hit rate: 25.0%")
+                    "Prefix cache hit rate: 25.0%, Compiled token buckets: 4/10")
     now[0] = 10.0
     done = replace(busy, num_running=0, num_waiting=0, num_generation_tokens=100,
-                   prefix_cache_queries=500, prefix_cache_hits=200)
+                   prefix_cache_queries=500, prefix_cache_hits=200,
+                   compiled_token_buckets=busy.token_buckets)  # the background compile is done
     line = lg.maybe_log(done)                  # the burst's last line: 50 tokens in 5 s
     assert "Avg generation throughput: 10.0 tokens/s" in line and "Running: 0 reqs" in line
     assert "Prefix cache hit rate: 100.0%" in line  # 100 hits of 100 queries in this interval
+    assert line.endswith(", Compiled token buckets: 10/10")
     now[0] = 20.0
     assert lg.maybe_log(done) is None          # nothing happened: no line

@@ -108,6 +108,7 @@ def test_metrics_expose_vllm_series(server):
         assert f"jaxkv:{n}" in names, n
     assert not any(n.endswith("_created") for n in names)
     assert server.metric("jaxkv:num_total_blocks") == (128 << 20) // (16 * 46080) - 1
+    assert server.metric("jaxkv:num_compiled_token_buckets") == server.metric("jaxkv:num_token_buckets") == 3
     assert 0.0 <= server.metric("jaxkv:kv_cache_usage_perc") <= 1.0
     ttft_edges = {k.split('le="')[1].split('"')[0] for k in m if k.startswith("jaxkv:time_to_first_token_seconds_bucket")}
     assert {"0.001", "2560.0", "+Inf"} <= ttft_edges
