@@ -84,6 +84,7 @@ def main():
 
     t_start = time.perf_counter()
     llm = LLM(enable_prefix_caching=True)
+    llm.llm_engine.wait_for_background_compile()  # time the steady state
     tok = llm.get_tokenizer()
     system = system_prompt(tok, np.random.default_rng(args.seed), system_tokens)
     convs = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
@@ -106,6 +107,8 @@ def main():
     gc.collect()
 
     llm = LLM(enable_prefix_caching=False)
+
+    llm.llm_engine.wait_for_background_compile()  # time the steady state
     timed_chat(llm, [[{"role": "user", "content": "Hello!"}]])  # warmup, untimed
     uncached = [timed_chat(llm, convs)]
     del llm

@@ -141,6 +141,7 @@ def main():
     reps = 5 if args.quick else args.reps
     from jaxkv import LLM
     llm = LLM()
+    llm.llm_engine.wait_for_background_compile()  # time the steady state
     rows = [profile(llm, tuple(s), reps, args.seed, args.temperature)
             for s in (args.shape or REFERENCE_SHAPES)]
     print(f"machine: {machine_info()}")

@@ -6,7 +6,9 @@ min(128, max(8, 2 x concurrency)), fresh prompts at every level so the prefix ca
 serves one level's prompts to the next), sent with Poisson arrivals at --request-rate (default
 inf: all queued at once, at most max_concurrency in flight). Without --base-url it starts
 `jaxkv serve` (embedded model, default engine flags plus --server-args) on a free loopback port,
-waits for /health 200, sends one untimed warmup request, and stops the server at the end.
+waits for /health 200 and for /metrics to show every token bucket compiled (the finer ones
+compile in the background after /health), sends one untimed warmup request, and stops the
+server at the end.
 
 Datasets: random (--input-len random token ids, decoded to text with the model's tokenizer)
 and shared-prefix (one --prefix-len random prefix shared by every request + --input-len random
@@ -195,6 +197,25 @@ def knee(levels, factor) -> int | None:
     return best
 
 
+def wait_for_buckets(url: str, timeout: float = 600.0) -> None:
+    """Wait until a jaxkv server's /metrics shows every token bucket compiled (the ones
+    compiled after /health turned 200 land in the background), so the sweep times the steady
+    state; returns at once for a server without those series."""
+    import httpx
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        r = httpx.get(url + "/metrics", timeout=30)
+        vals = {ln.split()[0]: float(ln.split()[1]) for ln in r.text.splitlines()
+                if ln.startswith(("jaxkv:num_token_buckets", "jaxkv:num_compiled_token_buckets"))}
+        if r.status_code != 200 or len(vals) < 2:
+            return
+        if vals["jaxkv:num_compiled_token_buckets"] >= vals["jaxkv:num_token_buckets"]:
+            print(f"all token buckets compiled after {time.perf_counter() - t0:.0f} s more", flush=True)
+            return
+        time.sleep(2)
+    print(f"token buckets still compiling after {timeout:.0f} s: timing anyway", flush=True)
+
+
 def sweep(url, model, tok, args, levels, extra, label) -> dict:
     import httpx
     if model is None:
@@ -203,6 +224,7 @@ def sweep(url, model, tok, args, levels, extra, label) -> dict:
     prefix = ""
     if args.dataset == "shared-prefix":
         prefix = make_prompts(tok, rng, 1, args.prefix_len)[0]
+    wait_for_buckets(url)
     warm = make_prompts(tok, np.random.default_rng(10_000 + args.seed), 1, args.input_len, prefix)
     w = asyncio.run(run_level(url, model, warm, args, 1, extra, arrivals))  # untimed warmup
     if not w["completed"]:

@@ -55,6 +55,8 @@ def run_jaxkv(prompts, new_tokens):
     from jaxkv import LLM, SamplingParams
 
     llm = LLM()
+
+    llm.llm_engine.wait_for_background_compile()  # time the steady state
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], warm, use_tqdm=False)  # untimed

@@ -18,8 +18,12 @@ PROMPTS = [
 
 def main() -> None:
     from jaxkv import LLM, SamplingParams
+    from jaxkv.engine_config import CPU_MAX_NUM_BATCHED_TOKENS, coarse_token_buckets
 
-    llm = LLM()
+    # The coarse buckets only, all compiled before the first request: the demo's 8 requests
+    # need no others, and a background compile would share the 2 cores with them.
+    budget = CPU_MAX_NUM_BATCHED_TOKENS
+    llm = LLM(max_num_batched_tokens=budget, token_buckets=coarse_token_buckets(budget))
     params = SamplingParams(temperature=0.0, max_tokens=96)
     convs = [[{"role": "user", "content": p}] for p in PROMPTS]
     t0 = time.perf_counter()

@@ -239,6 +239,13 @@ class LLMEngine:
         any request holds blocks; True once done."""
         return self.scheduler.reset_prefix_cache()
 
+    def wait_for_background_compile(self, timeout: float | None = None) -> bool:
+        """Block until every token bucket is compiled (the background compiler finished,
+        stopped or failed); True if it ended within `timeout` seconds (None: no limit). For
+        measurements of the steady state: benchmarks call it before timing."""
+        bg = getattr(self.runner, "background", None)
+        return True if bg is None else bg.wait(timeout)
+
     def shutdown(self) -> None:
         """Stop the background compile of token buckets (after the program in flight). The
         engine stays usable: its steps keep to the buckets compiled so far."""
