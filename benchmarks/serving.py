@@ -205,7 +205,7 @@ def wait_for_buckets(url: str, timeout: float = 600.0) -> None:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         r = httpx.get(url + "/metrics", timeout=30)
-        vals = {ln.split()[0]: float(ln.split()[1]) for ln in r.text.splitlines()
+        vals = {ln.split("{")[0].split()[0]: float(ln.split()[-1]) for ln in r.text.splitlines()
                 if ln.startswith(("jaxkv:num_token_buckets", "jaxkv:num_compiled_token_buckets"))}
         if r.status_code != 200 or len(vals) < 2:
             return
