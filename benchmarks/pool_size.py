@@ -30,6 +30,7 @@ def decoding_engine(pool_bytes, prompts, seed):
     from jaxkv import LLM, SamplingParams
     llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=pool_bytes,
               enable_prefix_caching=False, seed=seed)
+    llm.llm_engine.wait_for_background_compile()  # time the steady state
     eng = llm.llm_engine
     sp = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -180,7 +180,9 @@ class AsyncLLM:
                         self._stats = engine.stats()
                         if self._log is not None:  # the last line of a burst, then baselines
                             self._log.maybe_log(self._stats)
-                        self._cond.wait(self._log.interval_s if self._log is not None else None)
+                        # Wake now and then even without the log line, so stats() (and
+                        # /metrics) see the token buckets the background compiler adds.
+                        self._cond.wait(self._log.interval_s if self._log is not None else 5.0)
                     cmds = list(self._inbox)
                     self._inbox.clear()
                 outputs = []
