@@ -30,7 +30,7 @@ from jaxkv.runner.input_builder import build_step_input
 from jaxkv.step_input import StepInput
 
 logger = logging.getLogger("jaxkv")
-PENALTY_MIN_WIDTH = 64  # narrowest padded token-id width of the penalty arrays
+PENALTY_MIN_WIDTH = 512  # narrowest padded token-id width of the penalty arrays
 
 
 class ModelRunner:
@@ -57,8 +57,9 @@ class ModelRunner:
                            if self.mark_decode_only else 0)
         # Buckets whose programs are all compiled ahead of time (warmup, then the background
         # compiler); steps pad to these. Until warmup runs (or with enforce_eager) every
-        # bucket is usable and a missing step program compiles on first use.
-        self.compiled_token_buckets: tuple[int, ...] = ()
+        # bucket is usable and a missing step program compiles on first use; with
+        # enforce_eager every bucket is listed (usable, nothing compiled ahead of time).
+        self.compiled_token_buckets: tuple[int, ...] = self.token_buckets if enforce_eager else ()
         self._usable_buckets = self.token_buckets
         self.background: BackgroundCompiler | None = None
         self.compiles = CompileCounter()  # every program this runner's calls compile
@@ -204,11 +205,15 @@ class ModelRunner:
         rep = np.ones(r, np.float32)
         pres = np.zeros(r, np.float32)
         freq = np.zeros(r, np.float32)
-        # Token ids padded to the step's longest prompt or output (a power of two, so a few
-        # widths cover every step), not to max_model_len.
+        # Token ids padded to a width holding the step's longest prompt or output (512, then
+        # x8: 4096, ..., capped at max_model_len), not always to max_model_len. Each width is
+        # a sampler program compiled on first use, so the widths are few.
         longest = max((max(len(s.prompt_token_ids), len(s.output_token_ids))
                        for s in out.scheduled if s.prompt_token_ids is not None), default=0)
-        width = min(self.max_model_len, pow2_at_least(longest, PENALTY_MIN_WIDTH))
+        width = PENALTY_MIN_WIDTH
+        while width < longest:
+            width *= 8
+        width = min(self.max_model_len, width)
         prompt = np.full((r, width), v, np.int32)
         output = np.full((r, width), v, np.int32)
         banned_lists = [s.min_tokens_banned_ids for s in out.scheduled]

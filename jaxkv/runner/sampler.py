@@ -8,7 +8,7 @@ penalties and temperature), as vLLM's default logprobs mode.
 
 Penalty counts are computed on device from token ids the host passes in the step input
 (prompt ids and output ids, [rows, W] padded with vocab_size, which the scatter drops; W is
-the step's longest prompt or output rounded up to a power of two); nothing about a request is kept in device state between steps.
+a width holding the step's longest prompt or output: 512, 4096, ... or max_model_len); nothing about a request is kept in device state between steps.
 
 Randomness: the exponential race (as vLLM samples; it draws exactly from p), run in two
 stages so that a row draws ~450 exponentials instead of one per vocabulary entry: the
@@ -55,7 +55,7 @@ class PenaltyArrays(NamedTuple):
     repetition: jax.Array     # float32 [R], 1 = off
     presence: jax.Array       # float32 [R]
     frequency: jax.Array      # float32 [R]
-    prompt_ids: jax.Array     # int32 [R, W], padded with vocab_size (W: a power of two)
+    prompt_ids: jax.Array     # int32 [R, W], padded with vocab_size (W: 512 x 8^k or L)
     output_ids: jax.Array     # int32 [R, W], padded with vocab_size
     banned_ids: jax.Array     # int32 [R, K], padded with vocab_size (min_tokens stop ban)
 

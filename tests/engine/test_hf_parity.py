@@ -59,8 +59,8 @@ def test_greedy_tokens_and_first_logprobs_match_transformers(llm, hf_smollm2):
 
 
 def test_penalized_greedy_matches_transformers_logits_with_vllm_penalties(llm, hf_smollm2):
-    # A 100-token prompt (the penalty arrays are padded to the step's longest prompt or output,
-    # here 128 wide) and vLLM's three penalties applied to transformers' logits in numpy.
+    # A 100-token prompt (the penalty arrays are padded to a width holding the step's longest
+    # prompt or output, here 512) and vLLM's three penalties applied to transformers' logits.
     rep, freq, pres = 1.3, 0.4, 0.3
     ids = [int(t) for t in np.random.default_rng(3).integers(100, 20000, 100)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=rep,

@@ -122,8 +122,10 @@ def compiled(held_back):
 
 
 def test_before_the_background_buckets_land_steps_pad_to_compiled_ones(held_back):
-    _, stats, (outs, seen, compiled) = held_back
+    llm, stats, (outs, seen, compiled) = held_back
     assert stats.token_buckets == ALL and stats.compiled_token_buckets == WARM
+    if llm.llm_engine.runner.background is None:  # not started yet: nothing to wait for
+        assert llm.llm_engine.wait_for_background_compile(0) is False  # not all compiled
     assert seen == set(WARM)  # 1-token decodes padded to 8, a 12-token prefill to 32
     assert compiled == 0      # no step compiled anything
 
@@ -170,3 +172,14 @@ def test_exit_while_compiling_in_the_background_is_clean(tiny_model):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "background compile stopped" in r.stderr
+
+
+def test_wait_reports_all_buckets_compiled_and_eager_lists_every_bucket(tiny_model, held_back,
+                                                                        compiled):
+    assert compiled[0].done and held_back[0].llm_engine.wait_for_background_compile(0) is True
+    eager = LLM(model=tiny_model, enforce_eager=True, **TINY_ENGINE)
+    try:
+        assert eager.stats().compiled_token_buckets == ALL  # usable, nothing ahead of time
+        assert eager.llm_engine.wait_for_background_compile(0) is True
+    finally:
+        eager.llm_engine.shutdown()

@@ -135,7 +135,7 @@ def test_the_exponential_race_draws_from_the_distribution():
 
 
 def test_the_two_stage_race_is_exact_across_groups():
-    # 40 tokens in groups of 8 (5 groups, the last one partly padding-free): unnormalized
+    # 40 tokens in groups of 8 (5 groups): unnormalized
     # weights with zeros; every token's frequency matches p / sum(p) and zeros never win.
     rng = np.random.default_rng(1)
     w = rng.random(40) ** 3
@@ -150,3 +150,23 @@ def test_the_two_stage_race_is_exact_across_groups():
     # a vocabulary that does not divide into groups: the padding never wins either
     t2 = np.asarray(smp.race(probs[:, :37], arrays(r, seeds=np.arange(r)), group=8))
     assert t2.max() < 37 and np.all(np.bincount(t2, minlength=37)[w[:37] == 0] == 0)
+
+
+def test_sample_draws_from_the_distribution_over_many_groups():
+    # A 600-token vocabulary (3 groups of 256, the last partly padding) through sample():
+    # frequencies of the kept tokens match softmax(logits / T); top-k drops the rest.
+    rng = np.random.default_rng(2)
+    logits = np.full(600, -30.0, np.float32)
+    hot = np.array([3, 250, 256, 300, 511, 512, 599])
+    logits[hot] = rng.normal(0, 1, len(hot)).astype(np.float32)
+    r = 8000
+    x = jnp.asarray(np.tile(logits, (r, 1)))
+    tokens = np.asarray(smp.sample(x, arrays(r, temperature=0.7, seeds=np.arange(r)), None,
+                                   mode="random", num_logprobs=0).token_ids)
+    p = np.exp(logits / 0.7 - (logits / 0.7).max())
+    p /= p.sum()
+    freq = np.bincount(tokens, minlength=600) / r
+    assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / r) + 1e-3)
+    kept = np.asarray(smp.sample(x, arrays(r, top_k=3, seeds=np.arange(r)), None,
+                                 mode="filtered", num_logprobs=0).token_ids)
+    assert set(kept.tolist()) <= set(np.argsort(-logits)[:3].tolist())
