@@ -18,7 +18,8 @@ shape, and these are timed (median of --reps calls after a warmup call):
 Rooflines, measured here (benchmarks/roofline.py): memory bandwidth (a jitted sum over 256
 MiB) and matmul throughput (a jitted [T, hidden] x [hidden, intermediate] product at the
 step's T). matmul roofline = the step's matmul FLOPs / that throughput; attention roofline =
-the K/V bytes it must read / bandwidth; a single decode's roofline = the weight bytes / bandwidth (it is a weight read).
+the K/V bytes it must read / bandwidth; a single decode's roofline = the weight bytes /
+bandwidth (it is a weight read).
 
 Output: a table per shape and ONE JSON line (benchmarks/common.save) with, at least,
 decode_attention_ms_per_layer (64 x 256), decode_step_ms and decode_step_roofline_ms
@@ -31,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.common import base_parser, machine_info, print_table, save, timed
-from benchmarks.roofline import linear_params, matmul_gflops, memory_gbps
+from benchmarks.roofline import linear_params, matmul_gflops, memory_gbps, weight_bytes
 
 REFERENCE_SHAPES = [(64, 256, 1), (1, 256, 1)]
 
@@ -89,7 +90,6 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     mm = jax.jit(matmuls)
     row["matmuls_ms"] = median_ms(lambda: mm(p, h), reps)
     flops = 2 * t * linear_params(c)
-    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(p))
 
     attn, (kc, vc) = runner.model.attention, runner.kv_cache
     q = jnp.asarray(rng.standard_normal((t, c.num_heads, c.head_dim)), jnp.float32)
@@ -121,7 +121,7 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     row.update(memory_GBps=gbs, matmul_GFLOPs=gflops,
                matmul_roofline_ms=flops / gflops / 1e6,
                attention_roofline_ms_per_layer=kv_bytes / gbs / 1e6,
-               weight_read_roofline_ms=weight_bytes / gbs / 1e6)
+               weight_read_roofline_ms=weight_bytes(p) / gbs / 1e6)
     row["step_roofline_ms"] = (row["matmul_roofline_ms"]
                                + row["attention_roofline_ms_per_layer"] * c.num_layers)
     return row

@@ -51,22 +51,27 @@ def linear_params(cfg) -> int:
     return cfg.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
 
 
-def token_flops(cfg, context: int, sampled: bool) -> float:
-    """FLOPs of one token computed at `context` (itself included)."""
-    attn = 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return 2 * linear_params(cfg) + attn + (2 * cfg.hidden_size * cfg.vocab_size if sampled else 0)
+def weight_bytes(params) -> int:
+    """Bytes of a pytree of weight arrays: what one single-stream decode step reads."""
+    import jax
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+
+
+def tokens_flops(cfg, contexts, sampled: int) -> float:
+    """FLOPs of computing tokens at these contexts (each its own context, itself included),
+    `sampled` of them with logits."""
+    contexts = np.asarray(contexts, np.float64)
+    attn = 4 * contexts.sum() * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return 2 * linear_params(cfg) * contexts.size + attn + sampled * 2 * cfg.hidden_size * cfg.vocab_size
 
 
 def workload_flops(cfg, prompt_lens, new_tokens: int) -> tuple[float, float]:
     """(prefill FLOPs, decode FLOPs) of prompts of these lengths, each generating new_tokens:
     every prompt token once (the last one sampled), then new_tokens - 1 decoded tokens, each
     sampled."""
-    pre = dec = 0.0
-    for p in prompt_lens:
-        c = np.arange(1, p + 1)
-        pre += len(c) * 2 * linear_params(cfg) + 4 * c.sum() * cfg.num_heads * cfg.head_dim * cfg.num_layers
-        pre += 2 * cfg.hidden_size * cfg.vocab_size
-        dec += sum(token_flops(cfg, p + j, True) for j in range(1, new_tokens))
+    pre = sum(tokens_flops(cfg, np.arange(1, p + 1), 1) for p in prompt_lens)
+    dec = sum(tokens_flops(cfg, np.arange(p + 1, p + new_tokens), new_tokens - 1)
+              for p in prompt_lens)
     return pre, dec
 
 

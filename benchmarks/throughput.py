@@ -23,7 +23,8 @@ measured, each as output tokens / wall time of the measured calls, after an unti
 
 The HF model is the same GGUF dequantized to float32 by transformers; torch uses all cores.
 Targets (speed issue): roofline_fraction >= 0.7, jaxkv >= 3x HF static batches of 8,
-single_stream_roofline_fraction >= 0.8; and (benchmarks issue) >= 20x HF sequential. Full mode takes about 6-7 minutes on 2 quiet CPU cores (HF alone ~4), --quick
+single_stream_roofline_fraction >= 0.8; and (benchmarks issue) >= 20x HF sequential. Full mode
+takes about 6-7 minutes on 2 quiet CPU cores (HF alone ~4), --quick
 about 1.5 minutes.
 """
 
@@ -42,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import base_parser, print_table, random_prompts, save
-from roofline import memory_gbps, workload_roofline
+from roofline import memory_gbps, weight_bytes, workload_roofline
 
 SINGLE_PROMPT = ("Explain in a few sentences why a key-value cache makes generating text with a "
                  "transformer faster.")
@@ -50,8 +51,6 @@ EOS = 2  # SmolLM2's <|im_end|>, also its pad token
 
 
 def run_jaxkv(prompts, new_tokens):
-    import jax
-
     from jaxkv import LLM, SamplingParams
 
     llm = LLM()
@@ -77,8 +76,7 @@ def run_jaxkv(prompts, new_tokens):
     roof = workload_roofline(cfg, [len(p) for p in prompts], new_tokens,
                              decode_rows=min(len(prompts), runner.max_num_seqs),
                              prefill_rows=runner.token_buckets[-1])
-    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
-    single_roof = memory_gbps() * 1e9 / weight_bytes  # tokens/s if a token cost one weight read
+    single_roof = memory_gbps() * 1e9 / weight_bytes(runner.params)  # one weight read a token
     res = {"jaxkv_tok_s": n / dt, "jaxkv_s": dt, "jaxkv_tokens": n, **roof,
            "roofline_fraction": n / dt / roof["roofline_tok_s"],
            "single_stream_roofline_tok_s": single_roof,

@@ -8,7 +8,8 @@ penalties and temperature), as vLLM's default logprobs mode.
 
 Penalty counts are computed on device from token ids the host passes in the step input
 (prompt ids and output ids, [rows, W] padded with vocab_size, which the scatter drops; W is
-a width holding the step's longest prompt or output: 512, 4096, ... or max_model_len); nothing about a request is kept in device state between steps.
+a width holding the step's longest prompt or output: 512, 4096, ... or max_model_len);
+nothing about a request is kept in device state between steps.
 
 Randomness: the exponential race (as vLLM samples; it draws exactly from p), run in two
 stages so that a row draws ~450 exponentials instead of one per vocabulary entry: the
