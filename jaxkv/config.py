@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 
 from jaxkv.core.kv_budget import parse_bytes
+from jaxkv.core.spec_decode import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
@@ -81,6 +82,10 @@ class EngineArgs:
     token_buckets: tuple[int, ...] | None = _arg(
         None, "padded token counts of a step, e.g. 8,64,256 (default: powers of 2 below "
         "max_num_batched_tokens, then the budget)", type=_int_list, metavar="N,N,...")
+    speculative_config: dict | str | None = _arg(
+        None, "speculative decoding as a JSON object, vLLM's names: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
+        "(n-gram prompt lookup; off when not given)", type=str, metavar="JSON")
     warmup_token_buckets: tuple[int, ...] | None = _arg(
         None, "the token buckets compiled before the engine is ready; the others compile in a "
         "background thread and steps use them once compiled (default: powers of 8 below "
@@ -129,6 +134,7 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and (not v or not all(_positive_int(x) for x in v)):
                 bad(name, "must be a non-empty list of positive integers")
+        SpeculativeConfig.from_value(self.speculative_config)  # ValueError naming the key
         if self.token_buckets and self.warmup_token_buckets:
             stray = sorted(set(self.warmup_token_buckets) - set(self.token_buckets))
             if stray:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from jaxkv.config import ATTENTION_BACKENDS, check_batched_tokens
 from jaxkv.core.kv_budget import KVBudget, parse_bytes, plan_kv_cache
+from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.models.model_config import ModelConfig
 
 CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
@@ -58,6 +59,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     runner: RunnerConfig
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def max_model_len(self) -> int:
@@ -173,4 +175,5 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget),
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
-                            args.max_logprobs, args.enforce_eager, warmup_buckets))
+                            args.max_logprobs, args.enforce_eager, warmup_buckets),
+        speculative=SpeculativeConfig.from_value(args.speculative_config))

@@ -101,7 +101,8 @@ class KVCacheManager:
             self.num_cached_blocks[req.request_id] = len(blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
-        self._cache_full_blocks(req, total)
+        # Only the request's own tokens are hashed, never a draft (speculative decoding).
+        self._cache_full_blocks(req, min(total, req.num_tokens))
         return True
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
@@ -125,6 +126,17 @@ class KVCacheManager:
         self.req_to_blocks[child.request_id] = list(shared)
         self.num_cached_blocks[child.request_id] = num_blocks
         child.block_hashes = list(parent.block_hashes[:num_blocks])
+
+    def trim(self, req: Request, num_tokens: int) -> int:
+        """Free `req`'s blocks past those holding its first `num_tokens` tokens (after rejected
+        draft tokens: those blocks hold only rejected positions and were never hashed).
+        Returns how many were freed."""
+        blocks = self.req_to_blocks.get(req.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
 
     def free(self, req: Request) -> None:
         """Release every block of `req`, tail first (so its tail is evicted before its head)."""

@@ -111,3 +111,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first num_output_tokens output tokens (a stop string found before
+        the last token of a multi-token step)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[-drop:]
+            del self.all_token_ids[-drop:]

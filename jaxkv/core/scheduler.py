@@ -12,6 +12,13 @@ raised, Ctrl-C), `undo_step` puts back what scheduling it changed: the hashes it
 are forgotten and its requests are requeued to recompute what the step would have computed,
 exactly as after a preemption; blocks computed by earlier steps keep their hashes. If the
 failure also lost the pool's contents, `drop_all_kv` sends every request back to recompute.
+
+Speculative decoding (jaxkv.core.spec_decode): once every running and newly admitted request has
+its tokens, each decoding one gets its n-gram draft from the budget left over, while free
+blocks last (a draft never preempts anyone and never delays a prompt: a short budget drops
+drafts first). After the step num_computed_tokens
+advances over the accepted tokens only; blocks holding nothing but rejected positions are
+freed, and a draft never enters a hashed block (only a request's own tokens are hashed).
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from typing import TYPE_CHECKING
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
+from .spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
 
 if TYPE_CHECKING:
     from jaxkv.engine_config import SchedulerConfig
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
+                 speculative: SpeculativeConfig | None = None):
         self.kv = kv
         self.config = config
         self.block_size = kv.block_size
@@ -41,6 +50,9 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}  # parent id -> children waiting for its prompt
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0
+        self.proposer = NgramProposer(speculative) if speculative else None
+        self.spec_stats = (SpecDecodingStats(speculative.num_speculative_tokens)
+                           if speculative else None)
         # Journal of the step being scheduled: (request, was running, prefix lookup counted
         # now as (queried, hit) or None, first scheduled now).
         self._step_journal: list[tuple[Request, bool, tuple[int, int] | None, bool]] = []
@@ -111,8 +123,28 @@ class Scheduler:
                 raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, "
                                    f"{self.kv.num_free_blocks} free blocks")
 
-        scheduled = [self._describe(req, n) for req, n in chosen]
+        # Drafts last: they take only the budget that every request's own tokens left over.
+        drafts = self._propose_drafts(chosen, budget) if self.proposer and budget > 0 else {}
+        scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
         return SchedulerOutput(scheduled, preempted)
+
+    def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
+        """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft
+        tokens), within `budget`, max_tokens, max_model_len and the free blocks."""
+        drafts = {}
+        for i, (req, n) in enumerate(chosen):
+            if budget <= 0:
+                break
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue  # a prompt chunk
+            k = min(self.proposer.k, budget, req.max_tokens - req.num_output_tokens - 1,
+                    self.config.max_model_len - req.num_tokens)
+            draft = self.proposer.propose(req.all_token_ids, k) if k > 0 else []
+            if draft and self.kv.allocate_slots(req, 1 + len(draft)):
+                chosen[i] = (req, 1 + len(draft))
+                drafts[req.request_id] = draft
+                budget -= len(draft)
+        return drafts
 
     def _schedule_waiting(self, chosen, budget, preempted, now) -> int:
         """Admit waiting requests in FCFS order while budget, seats and blocks last."""
@@ -142,22 +174,24 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _describe(self, req: Request, n: int) -> ScheduledRequest:
+    def _describe(self, req: Request, n: int, draft: list[int]) -> ScheduledRequest:
         start = req.num_computed_tokens
+        n -= len(draft)  # the request's own tokens
         sp = req.sampling_params
         penalties = sp.has_penalties
         targets = []
         if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
             targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
         return ScheduledRequest(
-            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
+            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n] + draft,
             num_computed_tokens=start, block_ids=list(self.kv.get_block_ids(req.request_id)),
             sample=start + n == req.num_tokens, sampling_params=sp, seed=req.seed,
             sample_index=req.sample_index, num_output_tokens=req.num_output_tokens,
             prompt_token_ids=req.prompt_token_ids if penalties else None,
             output_token_ids=req.output_token_ids if penalties else None,
             prompt_logprob_targets=targets,
-            min_tokens_banned_ids=req.stop_ids if req.num_output_tokens < sp.min_tokens else [])
+            min_tokens_banned_ids=req.stop_ids if req.num_output_tokens < sp.min_tokens else [],
+            spec_token_ids=draft)
 
     def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
         """Give back req's blocks: it computes again from its first token (or a prefix hit)."""
@@ -176,8 +210,10 @@ class Scheduler:
         """The step ran (vLLM's name): commit it, credit the computed tokens, fork children
         whose parent's prompt is now done, append the sampled tokens and apply the
         token-level stops (EOS and stop_token_ids once min_tokens are out, max_tokens,
-        max_model_len), finishing those requests. Returns one RequestUpdate per scheduled
-        request, in scheduled order."""
+        max_model_len), finishing those requests. With a draft, the runner's tokens are the
+        accepted drafts and one sampled token: num_computed_tokens advances over the accepted
+        ones, the blocks past them are freed, and the tokens are appended one by one up to
+        the first stop. Returns one RequestUpdate per scheduled request, in scheduled order."""
         now = time.monotonic()
         updates = []
         for s in out.scheduled:
@@ -185,20 +221,28 @@ class Scheduler:
             start = s.num_computed_tokens
             self.num_computed_prompt_tokens += max(
                 0, min(start + s.num_scheduled_tokens, req.num_prompt_tokens) - start)
-            req.num_computed_tokens += s.num_scheduled_tokens
+            tokens = runner_output.sampled.get(s.request_id, ())
+            rejected = 0
+            if s.spec_token_ids and tokens:
+                rejected = len(s.spec_token_ids) - (len(tokens) - 1)
+                self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
+            req.num_computed_tokens += s.num_scheduled_tokens - rejected
+            if rejected:
+                self.kv.trim(req, req.num_computed_tokens)
             kids = self.pending_forks.get(req.request_id)
             if kids and req.num_computed_tokens >= req.num_prompt_tokens:
                 del self.pending_forks[req.request_id]
                 self._fork(req, kids)  # before a finish below frees the parent's blocks
             upd = RequestUpdate(req, [], start)
-            token = runner_output.sampled.get(s.request_id)
-            if token is not None:
+            for token in tokens:
                 req.append_output_token(token)
                 upd.new_token_ids.append(token)
                 if req.times.first_token_time is None:
                     req.times.first_token_time = now
                 req.times.last_token_time = now
                 upd.finished = self._check_stop(req, token)
+                if upd.finished is not None:
+                    break
             updates.append(upd)
         self.kv.commit_step()
         self._step_journal = []

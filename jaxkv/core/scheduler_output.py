@@ -3,7 +3,7 @@ needed by the scheduler): SchedulerOutput goes to the runner, RunnerOutput comes
 Scheduler.update_from_output turns them into one RequestUpdate per scheduled request.
 
 The runner never sees a Request: it gets ids, token ids, positions and block ids here, and
-hands back one sampled token per sampling row.
+hands back the new tokens of each sampled sequence.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ class ScheduledRequest:
     sample: whether this step reaches the end of the sequence's known tokens, so its last
     row's logits are sampled. sampling_params/seed/sample_index/num_output_tokens/history feed
     the sampler; prompt_logprob_targets are the next-token ids whose prompt logprobs this
-    chunk yields (empty when not asked).
+    chunk yields (empty when not asked). spec_token_ids: the draft tokens (speculative
+    decoding), the last len(spec_token_ids) of token_ids; the runner samples each of the
+    1 + len(spec_token_ids) last positions.
     """
     request_id: str
     token_ids: list[int]
@@ -40,6 +42,7 @@ class ScheduledRequest:
     output_token_ids: list[int] | None = None
     prompt_logprob_targets: list[int] = field(default_factory=list)
     min_tokens_banned_ids: list[int] = field(default_factory=list)  # EOS + stop_token_ids
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -58,10 +61,11 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Per sampled request: token id, and logprob data when asked; prompt logprobs per chunk."""
-    sampled: dict[str, int] = field(default_factory=dict)
-    # request id -> (sampled logprob, rank, top logprobs [k], top ids [k]) (numpy, host side)
-    logprobs: dict[str, tuple] = field(default_factory=dict)
+    """Per sampled request: its new token ids (one, or with a draft the accepted drafts and
+    one sampled token), and logprob data per token when asked; prompt logprobs per chunk."""
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> per new token: (sampled logprob, rank, top logprobs [k], top ids [k])
+    logprobs: dict[str, list[tuple]] = field(default_factory=dict)
     # request id -> (target logprobs [n], ranks [n], top logprobs [n, k], top ids [n, k])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
 

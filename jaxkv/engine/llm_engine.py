@@ -182,12 +182,16 @@ class LLMEngine:
             try:
                 if rid in res.prompt_logprobs:
                     op.add_prompt_logprobs(req, upd.first_position + 1, res.prompt_logprobs[rid])
-                for token in upd.new_token_ids:
+                lps, first = res.logprobs.get(rid), req.num_output_tokens - len(upd.new_token_ids)
+                for j, token in enumerate(upd.new_token_ids):
                     self.num_generation_tokens += 1
-                    stop_str = op.process_token(req, token, res.logprobs.get(rid))
+                    stop_str = op.process_token(req, token, lps[j] if lps else None, first + j)
                     if stop_str is not None:  # wins over a length finish of this token, as vLLM
+                        # Tokens after it (accepted drafts of the same step) are dropped.
+                        req.truncate_output(req.num_output_tokens - (len(upd.new_token_ids) - j - 1))
                         req.stop_reason = stop_str
                         self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                        break
             except BaseException as e:  # noqa: BLE001 - raised below, after the others
                 error = error or e
             if upd.new_token_ids:
@@ -269,4 +273,16 @@ class LLMEngine:
             num_compilations=self.runner.num_compilations,
             token_buckets=self.config.runner.token_buckets,
             compiled_token_buckets=self.runner.compiled_token_buckets,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        sd = getattr(self.scheduler, "spec_stats", None)
+        if sd is None:
+            return {}
+        return dict(spec_decode_num_drafts=sd.num_drafts,
+                    spec_decode_num_draft_tokens=sd.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=sd.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(sd.num_accepted_tokens_per_pos),
+                    spec_decode_acceptance_rate=(sd.num_accepted_tokens / sd.num_draft_tokens
+                                                 if sd.num_draft_tokens else None))

@@ -74,19 +74,23 @@ class OutputProcessor:
             req.prompt_logprobs.append(self.logprob_dict(top_ids[j], top_lp[j], None,
                                                          (t, target_lp[j], ranks[j])))
 
-    def process_token(self, req: Request, token: int, logprob_data) -> str | None:
+    def process_token(self, req: Request, token: int, logprob_data,
+                      position: int | None = None) -> str | None:
         """The text side of one token the scheduler has appended (and applied its token-level
-        stops to): its logprob dict, detokenization, stop strings. Returns the stop string
-        that now ends the request, or None (a request already stopped by a token keeps that
-        reason; its token's text is left out unless include_stop_str_in_output)."""
-        before = req.num_output_tokens - 1
+        stops to): its logprob dict, detokenization, stop strings. `position`: its index among
+        the output tokens (default: the last; a multi-token step passes each in turn). Returns
+        the stop string that now ends the request, or None (a request already stopped by a
+        token keeps that reason; its token's text is left out unless
+        include_stop_str_in_output)."""
+        last = req.num_output_tokens - 1
+        before = last if position is None else position
         if logprob_data is not None:
             lp, rank, top_lp, top_ids = logprob_data
             req.logprobs.append(self.logprob_dict(top_ids, top_lp, None, (token, lp, rank)))
             req.cumulative_logprob += float(lp)
         g = self.child_to_group[req.request_id]
         detok = g.detoks[g.children.index(req)]
-        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and before == last
         stop_str = detok.update([token], before, stop_terminated=stopped_by_token)
         return None if stopped_by_token else stop_str
 

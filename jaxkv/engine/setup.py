@@ -66,7 +66,9 @@ def build_engine(cls, args):
     runner = ModelRunner(model, params, config)
     cc = config.cache
     scheduler = Scheduler(KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching),
-                          config.scheduler)
+                          config.scheduler, config.speculative)
+    if config.speculative is not None:
+        logger.info("speculative decoding: %s", config.speculative.to_dict())
     logger.info("loaded %s (%s, %s, %.1f M params) in %.1f s", args.model or "SmolLM2-135M-Instruct",
                 mc.architecture, rc.dtype,
                 sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6, time.perf_counter() - t0)

@@ -21,6 +21,14 @@ class EngineStats:
     num_waiting: int
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step
     compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
+    # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests
+    # given a draft in a step, draft tokens, accepted ones, accepted ones per draft position,
+    # and accepted / draft tokens (None before any draft).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    spec_decode_acceptance_rate: float | None = None
 
     @property
     def num_token_buckets(self) -> int:

@@ -3,7 +3,8 @@
 `compile_bucket` builds every program a step of token bucket T can need: the step program
 (twice with a decode kernel: mixed and decode-only, for the buckets a decode-only step can
 use), the small program that gathers the sampled rows, and the greedy / random / filtered
-sampler for its row count R = min(T, max_num_seqs). It lowers from abstract shapes
+sampler for its row count R = min(T, max_num_seqs) (with speculative decoding also for the
+larger row counts its draft rows can need, ModelRunner.sample_row_counts). It lowers from abstract shapes
 (jax.ShapeDtypeStruct) and host arrays only, never from the live KV pool: the pool is donated
 to every step, so another thread's step may delete a live array while it is being lowered.
 
@@ -25,9 +26,11 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from jaxkv.core.scheduler_output import SchedulerOutput
 from jaxkv.runner import sampler as smp
+from jaxkv.runner.sampling_rows import sampling_arrays
 from jaxkv.runner.buckets import num_rows
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.input_builder import build_step_input
@@ -58,16 +61,17 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
             runner._step_exe[(t, decode_only)] = runner.jitted_step.lower(
                 params, runner.kv_spec, dataclasses.replace(si, decode_only=decode_only)).compile()
     hidden = abstract(runner._step_exe[(t, False)].out_info[0])  # [t, hidden_size]
-    gather = runner._gather_rows.lower(hidden, si.logits_indices)
-    gather.compile()
-    if r not in runner._sampler_rows:
-        s_arr = runner._sampling_arrays(empty, r)
-        for mode in smp.MODES:
-            if stopped():
-                return False
-            runner._sample.lower(params, abstract(gather.out_info), s_arr, None, mode=mode,
-                                num_logprobs=0).compile()
-        runner._sampler_rows.add(r)
+    for rs in runner.sample_row_counts(t):
+        gather = runner._gather_rows.lower(hidden, np.zeros(rs, np.int32))
+        gather.compile()
+        if rs not in runner._sampler_rows:
+            s_arr = sampling_arrays([], rs)
+            for mode in smp.MODES:
+                if stopped():
+                    return False
+                runner._sample.lower(params, abstract(gather.out_info), s_arr, None, mode=mode,
+                                     num_logprobs=0).compile()
+            runner._sampler_rows.add(rs)
     return True
 
 

@@ -6,8 +6,9 @@ and never copied or reallocated. It is compiled ahead of time per token bucket (
 attention backend with a decode kernel, per bucket once more for decode-only steps; see
 jaxkv/runner/compiler.py): the warmup buckets before the engine is ready, the others in a
 background thread, and each step is padded to the smallest bucket compiled so far. Logits of
-each sequence's last row and sampling run in a second, small jitted function (`sample`), so
-sampler variants do not multiply the model's programs.
+each sequence's last row (and of its draft rows, jaxkv/runner/sampling_rows.py) and sampling
+run in a second, small jitted function (`sample`), so sampler variants do not multiply the
+model's programs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models.llama import LlamaModel
 from jaxkv.runner import sampler as smp
+from jaxkv.runner import sampling_rows as rows
 from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, compile_bucket
@@ -30,7 +32,6 @@ from jaxkv.runner.input_builder import build_step_input
 from jaxkv.step_input import StepInput
 
 logger = logging.getLogger("jaxkv")
-PENALTY_MIN_WIDTH = 512  # narrowest padded token-id width of the penalty arrays
 
 
 class ModelRunner:
@@ -44,6 +45,8 @@ class ModelRunner:
         self.max_num_seqs, self.token_buckets = config.scheduler.max_num_seqs, rc.token_buckets
         self.max_blocks = -(-self.max_model_len // self.block_size)
         self.max_logprobs = rc.max_logprobs
+        spec = config.speculative
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.vocab_size = model.cfg.vocab_size
         self.num_blocks = cc.num_blocks
         self.kv_cache = self._new_kv_cache()
@@ -156,76 +159,48 @@ class ModelRunner:
         hidden = self.forward(si)
         res = RunnerOutput()
         with self.compiles:
-            rows = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
-            if rows:
-                self._sample_into(res, hidden, si.logits_indices, out, rows,
-                                  si.block_tables.shape[0])
+            spans, idx = rows.layout(out.scheduled, si.query_start_loc)
+            if spans:
+                self._sample_into(res, hidden, spans, idx, si.num_tokens)
             if any(s.prompt_logprob_targets for s in out.scheduled):
                 self._prompt_logprobs_into(res, hidden, si.query_start_loc, out, si.num_tokens)
         return res
 
-    def _sample_into(self, res, hidden, logits_indices, out, rows, r):
-        sp = [s.sampling_params for _, s in rows]
+    def sample_rows(self, t: int, n: int = 0) -> int:
+        """Sampler rows of a token-bucket-t step that samples n rows: min(t, max_num_seqs),
+        every sequence's last row; more only with draft rows (speculative decoding): the next
+        power of two, at most t."""
+        r = num_rows(t, self.max_num_seqs)
+        return r if n <= r else min(t, pow2_at_least(n, 1))
+
+    def sample_row_counts(self, t: int) -> tuple[int, ...]:
+        """Every sampler row count a token-bucket-t step can use (compiled with the bucket)."""
+        most = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
+        return tuple(sorted({self.sample_rows(t, n) for n in (0, *range(1, most + 1))}))
+
+    def _sample_into(self, res, hidden, spans, idx, t):
+        sp = [x.sched.sampling_params for x in spans]
         greedy = all(p.temperature < smp.GREEDY_EPS for p in sp)
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in sp if p.temperature >= smp.GREEDY_EPS)
         mode = "greedy" if greedy else ("filtered" if filtered else "random")
         want_lp = any(p.logprobs is not None for p in sp)
-        s_arr = self._sampling_arrays(out, r)
-        pen = self._penalty_arrays(out, r) if any(_needs_penalties(s) for _, s in rows) else None
-        h = self._gather_rows(hidden, logits_indices)
+        r = self.sample_rows(t, len(idx))
+        s_arr = rows.sampling_arrays(spans, r)
+        pen = (rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len)
+               if any(rows.needs_penalties(x.sched) for x in spans) else None)
+        h = self._gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
         o = self._sample(self.params, h, s_arr, pen, mode=mode,
                          num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
         o = jax.device_get(o)
-        for i, s in rows:
-            res.sampled[s.request_id] = int(o.token_ids[i])
+        for x in spans:
+            s, ys = x.sched, o.token_ids[x.row:x.row + x.count]
+            keep = rows.num_accepted(ys, s.spec_token_ids) + 1
+            res.sampled[s.request_id] = [int(y) for y in ys[:keep]]
             if s.sampling_params.logprobs is not None:
                 k = s.sampling_params.logprobs
-                res.logprobs[s.request_id] = (float(o.logprob[i]), int(o.rank[i]),
-                                              o.top_logprobs[i, :k], o.top_ids[i, :k])
-
-    def _sampling_arrays(self, out, r) -> smp.SamplingArrays:
-        temp = np.zeros(r, np.float32)
-        top_p = np.ones(r, np.float32)
-        top_k = np.zeros(r, np.int32)
-        min_p = np.zeros(r, np.float32)
-        seed = np.zeros(r, np.uint32)
-        seed_hi = np.zeros(r, np.uint32)
-        idx = np.zeros(r, np.int32)
-        step = np.zeros(r, np.int32)
-        for i, s in enumerate(out.scheduled):
-            p = s.sampling_params
-            temp[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
-            seed64 = s.seed & 0xFFFFFFFFFFFFFFFF  # 64-bit two's complement: -1 and 2**64-1 agree
-            seed[i], seed_hi[i] = seed64 & 0xFFFFFFFF, seed64 >> 32
-            idx[i], step[i] = s.sample_index, s.num_output_tokens
-        return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step, seed_hi)
-
-    def _penalty_arrays(self, out, r) -> smp.PenaltyArrays:
-        v = self.vocab_size
-        rep = np.ones(r, np.float32)
-        pres = np.zeros(r, np.float32)
-        freq = np.zeros(r, np.float32)
-        # Token ids padded to a width holding the step's longest prompt or output (512, then
-        # x8: 4096, ..., capped at max_model_len), not always to max_model_len. Each width is
-        # a sampler program compiled on first use, so the widths are few.
-        longest = max((max(len(s.prompt_token_ids), len(s.output_token_ids))
-                       for s in out.scheduled if s.prompt_token_ids is not None), default=0)
-        width = PENALTY_MIN_WIDTH
-        while width < longest:
-            width *= 8
-        width = min(self.max_model_len, width)
-        prompt = np.full((r, width), v, np.int32)
-        output = np.full((r, width), v, np.int32)
-        banned_lists = [s.min_tokens_banned_ids for s in out.scheduled]
-        banned = np.full((r, pow2_at_least(max(map(len, banned_lists), default=0))), v, np.int32)
-        for i, s in enumerate(out.scheduled):
-            p = s.sampling_params
-            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-            if s.prompt_token_ids is not None:
-                prompt[i, :len(s.prompt_token_ids)] = s.prompt_token_ids
-                output[i, :len(s.output_token_ids)] = s.output_token_ids
-            banned[i, :len(banned_lists[i])] = banned_lists[i]
-        return smp.PenaltyArrays(rep, pres, freq, prompt, output, banned)
+                res.logprobs[s.request_id] = [
+                    (float(o.logprob[i]), int(o.rank[i]), o.top_logprobs[i, :k], o.top_ids[i, :k])
+                    for i in range(x.row, x.row + keep)]
 
     def _prompt_logprobs_into(self, res, hidden, qsl, out, t):
         targets = np.zeros(t, np.int32)
@@ -268,8 +243,3 @@ class ModelRunner:
         if self.background is not None:
             self.background.stop()
 
-
-def _needs_penalties(s) -> bool:
-    """Penalties, or the min_tokens ban (the scheduler lists the banned stop ids only while
-    fewer than min_tokens outputs exist, as vLLM's MinTokensLogitsProcessor)."""
-    return s.sampling_params.has_penalties or bool(s.min_tokens_banned_ids)

@@ -39,7 +39,7 @@ def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16):
         for s in out.scheduled:  # every scheduled token has a slot in the request's blocks
             assert len(s.block_ids) * block_size >= s.num_computed_tokens + s.num_scheduled_tokens
         # Every sampled request gets token 1; update_from_output finishes it at max_tokens.
-        sched.update_from_output(out, RunnerOutput({s.request_id: 1 for s in out.scheduled if s.sample}))
+        sched.update_from_output(out, RunnerOutput({s.request_id: [1] for s in out.scheduled if s.sample}))
         if abort_p and rng.random() < abort_p and groups:
             for c in groups.pop(rng.choice(list(groups))):
                 if not c.status.is_finished:

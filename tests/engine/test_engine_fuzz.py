@@ -102,7 +102,7 @@ class FakeRunner:
                                              f"{s.block_ids[p // BS]}: {got} != {true[:p + 1]}")
                 self.reads += 1
             if s.sample:
-                res.sampled[s.request_id] = next_token(s.seed, s.sample_index, true)
+                res.sampled[s.request_id] = [next_token(s.seed, s.sample_index, true)]
         return res
 
     def recover_kv_cache(self) -> bool:

@@ -1,0 +1,121 @@
+"""The sampler's rows of one step, on the host (numpy): which hidden rows are sampled, their
+per-row sampling and penalty arrays, and the verification of draft tokens.
+
+A sequence that samples gets one row per position it samples: its last position, and with a
+draft of d tokens (speculative decoding, jaxkv.core.spec_decode) the d positions before it as
+well. Row j of a sequence is sampled exactly as its output token num_output_tokens + j would
+be without speculation, had the drafts before it been the output: the same per-request key
+(seed, sample index, output position), the same penalties (those drafts counted as output) and
+the same min_tokens ban. Drafts are accepted up to the first row whose sampled token differs;
+that row's token is kept too (all accepted: the last row's, the "bonus" token).
+
+With a draft proposed deterministically (the n-gram proposer, a one-hot proposal q), this is
+the rejection sampling of Leviathan et al. 2023 / Chen et al. 2023 exactly: draft x is accepted
+with probability p(x) = min(1, p(x) / q(x)), and when it is not, the kept token follows p
+without x, renormalized (their residual max(0, p - q)). Greedy rows accept while the argmax
+matches the draft. So the output distribution is the model's, and a seeded request gives the
+same tokens with and without speculation (up to the last-bit noise of a different batch shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxkv.runner import sampler as smp
+from jaxkv.runner.buckets import pow2_at_least
+
+PENALTY_MIN_WIDTH = 512  # narrowest padded token-id width of the penalty arrays
+
+
+@dataclass
+class Span:
+    """One sampling sequence's rows: `sched` (its ScheduledRequest), `row` (its first row in
+    the sampler's batch), `count` (1 + its draft tokens)."""
+    sched: object
+    row: int
+    count: int
+
+
+def layout(scheduled, query_start_loc) -> tuple[list[Span], np.ndarray]:
+    """(spans, hidden row indices int32 [n]) of the sequences in `scheduled` that sample:
+    each samples the last 1 + len(spec_token_ids) rows of its query (query_start_loc [R + 1])."""
+    spans, idx = [], []
+    for i, s in enumerate(scheduled):
+        if not s.sample:
+            continue
+        m = 1 + len(s.spec_token_ids)
+        end = int(query_start_loc[i + 1])
+        spans.append(Span(s, len(idx), m))
+        idx.extend(range(end - m, end))
+    return spans, np.asarray(idx, np.int32)
+
+
+def sampling_arrays(spans: list[Span], r: int) -> smp.SamplingArrays:
+    """Per-row parameters [r] (rows past the spans are padding)."""
+    temp = np.zeros(r, np.float32)
+    top_p = np.ones(r, np.float32)
+    top_k = np.zeros(r, np.int32)
+    min_p = np.zeros(r, np.float32)
+    seed = np.zeros(r, np.uint32)
+    seed_hi = np.zeros(r, np.uint32)
+    idx = np.zeros(r, np.int32)
+    step = np.zeros(r, np.int32)
+    for sp_ in spans:
+        s, rows = sp_.sched, slice(sp_.row, sp_.row + sp_.count)
+        p = s.sampling_params
+        temp[rows], top_p[rows], top_k[rows], min_p[rows] = p.temperature, p.top_p, p.top_k, p.min_p
+        seed64 = s.seed & 0xFFFFFFFFFFFFFFFF  # 64-bit two's complement: -1 and 2**64-1 agree
+        seed[rows], seed_hi[rows] = seed64 & 0xFFFFFFFF, seed64 >> 32
+        idx[rows] = s.sample_index
+        step[rows] = s.num_output_tokens + np.arange(sp_.count)  # the output position
+    return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step, seed_hi)
+
+
+def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: int) -> smp.PenaltyArrays:
+    """Penalty parameters [r] and token ids [r, W] (padded with vocab_size, which the sampler's
+    scatter drops). W holds the step's longest prompt or output (drafts included): 512, then
+    x8 (4096, ...), capped at max_model_len; each width is a sampler program, so they are few."""
+    v = vocab_size
+    rep = np.ones(r, np.float32)
+    pres = np.zeros(r, np.float32)
+    freq = np.zeros(r, np.float32)
+    longest = max((max(len(sp_.sched.prompt_token_ids),
+                       len(sp_.sched.output_token_ids) + sp_.count - 1)
+                   for sp_ in spans if sp_.sched.prompt_token_ids is not None), default=0)
+    width = PENALTY_MIN_WIDTH
+    while width < longest:
+        width *= 8
+    width = min(max_model_len, width)
+    prompt = np.full((r, width), v, np.int32)
+    output = np.full((r, width), v, np.int32)
+    most_banned = max((len(sp_.sched.min_tokens_banned_ids) for sp_ in spans), default=0)
+    banned = np.full((r, pow2_at_least(most_banned)), v, np.int32)
+    for sp_ in spans:
+        s, p = sp_.sched, sp_.sched.sampling_params
+        for j in range(sp_.count):
+            i = sp_.row + j
+            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            if s.prompt_token_ids is not None:
+                out_ids = list(s.output_token_ids) + s.spec_token_ids[:j]
+                prompt[i, :len(s.prompt_token_ids)] = s.prompt_token_ids
+                output[i, :len(out_ids)] = out_ids
+            # The min_tokens ban (the scheduler lists the ids while too few outputs exist).
+            if s.num_output_tokens + j < p.min_tokens:
+                banned[i, :len(s.min_tokens_banned_ids)] = s.min_tokens_banned_ids
+    return smp.PenaltyArrays(rep, pres, freq, prompt, output, banned)
+
+
+def needs_penalties(s) -> bool:
+    """Penalties, or the min_tokens ban (the scheduler lists the banned stop ids only while
+    fewer than min_tokens outputs exist, as vLLM's MinTokensLogitsProcessor)."""
+    return s.sampling_params.has_penalties or bool(s.min_tokens_banned_ids)
+
+
+def num_accepted(sampled, draft) -> int:
+    """Drafts accepted: the leading draft tokens equal to the tokens sampled at their rows."""
+    a = 0
+    while a < len(draft) and int(sampled[a]) == draft[a]:
+        a += 1
+    return a
