@@ -30,7 +30,12 @@ _GAUGES = (("num_requests_running", "num_running", "Number of requests in model 
 _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
              ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
              ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
-             ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."))
+             ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."),
+             ("spec_decode_num_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts."),
+             ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+              "Number of draft tokens."),
+             ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+              "Number of accepted tokens."))
 
 
 class _EngineCollector:
@@ -49,6 +54,11 @@ class _EngineCollector:
             c = CounterMetricFamily(f"jaxkv:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(s, field)))
             yield c
+        c = CounterMetricFamily("jaxkv:spec_decode_num_accepted_tokens_per_pos", "Accepted "
+                                "tokens per draft position.", labels=["model_name", "position"])
+        for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            c.add_metric([self.model_name, str(pos)], float(n))
+        yield c
 
 
 class PrometheusStatLogger:

@@ -169,3 +169,19 @@ def test_short_budget_drops_drafts_first():
     assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [
         ("r0", 1), ("r1", 1), ("r2", 1), ("late", 1)]
     assert not any(s.spec_token_ids for s in out.scheduled)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    from jaxkv.cli import build_parser
+    from jaxkv.engine_config import create_engine_config
+    from jaxkv.models.model_config import ModelConfig
+    from tests.runner.test_compilation import TINY_CONFIG
+
+    for cmd in (["serve"], ["generate", "Hello"], ["plan"]):
+        ns = build_parser().parse_args([*cmd, "--speculative-config",
+                                        '{"method": "ngram", "num_speculative_tokens": 4, '
+                                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}'])
+        args = EngineArgs.from_cli_args(ns)
+        config = create_engine_config(args, platform="cpu",
+                                      model_config=ModelConfig.from_hf_config(TINY_CONFIG))
+        assert config.speculative == SpeculativeConfig("ngram", 4, 4, 2)

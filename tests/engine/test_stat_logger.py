@@ -39,3 +39,21 @@ def test_rates_over_the_interval_and_silence_when_idle():
     assert line.endswith(", Compiled token buckets: 10/10")
     now[0] = 20.0
     assert lg.maybe_log(done) is None          # nothing happened: no line
+
+
+def test_spec_decoding_line_over_the_interval():
+    now = [0.0]
+    lg = LoggingStatLogger(5.0, clock=lambda: now[0])
+    base = replace(IDLE, spec_decode_num_accepted_tokens_per_pos=(0, 0, 0))
+    lg.maybe_log(base)
+    now[0] = 10.0
+    busy = replace(base, num_running=1, num_generation_tokens=90, spec_decode_num_drafts=20,
+                   spec_decode_num_draft_tokens=60, spec_decode_num_accepted_tokens=30,
+                   spec_decode_num_accepted_tokens_per_pos=(15, 10, 5))
+    line = lg.maybe_log(busy).split("\n")[1]
+    assert line == ("SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: 3.00 "
+                    "tokens/s, Drafted throughput: 6.00 tokens/s, Accepted: 30 tokens, Drafted: 60 "
+                    "tokens, Per-position acceptance rate: 0.750, 0.500, 0.250, Avg Draft "
+                    "acceptance rate: 50.0%")
+    now[0] = 20.0
+    assert "\n" not in lg.maybe_log(replace(busy, num_generation_tokens=100))  # no new drafts
