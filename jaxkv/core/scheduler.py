@@ -124,7 +124,10 @@ class Scheduler:
                                    f"{self.kv.num_free_blocks} free blocks")
 
         # Drafts last: they take only the budget that every request's own tokens left over.
-        drafts = self._propose_drafts(chosen, budget) if self.proposer and budget > 0 else {}
+        drafts = {}
+        if self.proposer and budget > 0 and len(self.running) < (
+                self.proposer.disable_by_batch_size or len(self.running) + 1):
+            drafts = self._propose_drafts(chosen, budget)
         scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
         return SchedulerOutput(scheduled, preempted)
 

@@ -30,11 +30,15 @@ class SpeculativeConfig:
     num_speculative_tokens: most draft tokens per request per step (k, >= 1).
     prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram matched (>= 1,
     min <= max). As vLLM: neither given -> 5 and 5; one given -> the other takes its value.
+    disable_by_batch_size: no drafts in a step while at least this many requests run (None:
+    always draft). On a CPU a drafted decode computes 1 + k positions per sequence, and its
+    attention cost grows with them: large batches decode faster without drafts.
     """
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_value(cls, value) -> SpeculativeConfig | None:
@@ -49,14 +53,16 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not valid JSON ({e.msg}): {value!r}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict or a JSON object, got {value!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
         stray = sorted(set(value) - known)
         if stray:
             raise ValueError(f"speculative_config: unknown key {stray[0]!r} (known: {sorted(known)})")
         method = value.get("method", "ngram")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "disable_by_batch_size"):
             v = value.get(key)
             if key == "num_speculative_tokens" and v is None:
                 raise ValueError("speculative_config.num_speculative_tokens is required")
@@ -69,12 +75,13 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                              f"prompt_lookup_max ({hi})")
-        return cls(method, value["num_speculative_tokens"], hi, lo)
+        return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"))
 
     def to_dict(self) -> dict:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "prompt_lookup_max": self.prompt_lookup_max,
-                "prompt_lookup_min": self.prompt_lookup_min}
+                "prompt_lookup_min": self.prompt_lookup_min,
+                "disable_by_batch_size": self.disable_by_batch_size}
 
 
 class NgramProposer:
@@ -84,6 +91,7 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.n_max = config.prompt_lookup_max
         self.n_min = config.prompt_lookup_min
+        self.disable_by_batch_size = config.disable_by_batch_size
 
     def propose(self, token_ids, k: int | None = None) -> list[int]:
         """Drafts for the sequence `token_ids` (prompt + output so far): the tokens after an

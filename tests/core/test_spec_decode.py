@@ -34,7 +34,8 @@ def test_config_defaults_follow_vllm():
     c = SpeculativeConfig.from_value('{"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                                      '"prompt_lookup_min": 2}')
     assert c.to_dict() == {"method": "ngram", "num_speculative_tokens": 4,
-                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+                           "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+                           "disable_by_batch_size": None}
     assert SpeculativeConfig.from_value(None) is None
 
 
@@ -45,6 +46,7 @@ def test_config_defaults_follow_vllm():
     ({"num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown key 'draft_model'"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a dict"),
@@ -185,3 +187,19 @@ def test_cli_flag_reaches_the_engine_config():
         config = create_engine_config(args, platform="cpu",
                                       model_config=ModelConfig.from_hf_config(TINY_CONFIG))
         assert config.speculative == SpeculativeConfig("ngram", 4, 4, 2)
+
+
+def test_disable_by_batch_size():
+    kv = KVCacheManager(64, 4)
+    c = SpeculativeConfig.from_value({"num_speculative_tokens": 2, "prompt_lookup_max": 2,
+                                      "prompt_lookup_min": 1, "disable_by_batch_size": 3})
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128), c)
+    reqs = [Request(f"r{i}", [5, 6, 5, 6], SamplingParams(max_tokens=8 + 4 * i), None, 0) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    drafted_with = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        drafted_with += [len(out.scheduled)] * any(s.spec_token_ids for s in out.scheduled)
+        sched.update_from_output(out, RunnerOutput({s.request_id: [5] for s in out.scheduled if s.sample}))
+    assert drafted_with and max(drafted_with) == 2  # three running: no drafts; two or one: drafts
