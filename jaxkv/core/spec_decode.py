@@ -103,6 +103,23 @@ class NgramProposer:
         length = len(toks)
         if k <= 0 or length <= self.n_min:
             return []
+        # Ends e (< length - 1) of earlier n-grams equal to the suffix, grown one token at a
+        # time: one comparison over the history, then a few over the candidates.
+        ends = np.flatnonzero(toks[:-1] == toks[-1])
+        n, best = 1, (ends if self.n_min <= 1 else ends[:0])
+        while len(ends) and n < self.n_max:
+            ends = ends[ends >= n]
+            ends = ends[toks[ends - n] == toks[length - 1 - n]]
+            n += 1
+            if len(ends) and n >= self.n_min:
+                best = ends
+        if not len(best):
+            return []
+        # The latest occurrence with k tokens after it; else the earliest (in a repeating
+        # run the latest overlaps the suffix and has few tokens after it).
+        full = best[best + 1 + k <= length]
+        start = int(full[-1] if len(full) else best[0]) + 1
+        return toks[start:start + k].tolist()
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
             suffix = toks[length - n:]
             # Windows starting at 0 .. length - n - 1: every occurrence but the suffix itself.

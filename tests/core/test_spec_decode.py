@@ -73,6 +73,32 @@ def test_proposer_longest_match_and_its_continuation():
     assert q.propose([4, 9, 1, 5, 9, 1]) == [5, 9]
 
 
+def brute_force(toks, k, n_max, n_min):
+    """The rule spelled out: longest suffix n-gram (n_max >= n >= n_min) found earlier; the
+    latest occurrence with k tokens after it, else the earliest; the k tokens after it."""
+    L = len(toks)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        starts = [s for s in range(0, L - n) if toks[s:s + n] == toks[L - n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= L]
+            s = full[-1] if full else starts[0]
+            return toks[s + n:s + n + k]
+    return []
+
+
+def test_proposer_matches_the_rule_spelled_out():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(3000):
+        k, lo = rng.randint(1, 6), rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        toks = [rng.randint(0, rng.choice([2, 4, 30])) for _ in range(rng.randint(0, 40))]
+        got = NgramProposer(cfg(k=k, hi=hi, lo=lo)).propose(toks)
+        assert got == brute_force(toks, k, hi, lo), (toks, k, hi, lo)
+        hits += bool(got)
+    assert hits > 600  # most sequences have a match (small alphabets)
+
+
 def run(seed, num_blocks, caching=True, block_size=4, budget=16, k=3):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, caching)
