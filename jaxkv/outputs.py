@@ -16,12 +16,14 @@ class Logprob:
 
 @dataclass
 class RequestMetrics:
-    """Monotonic seconds (time.monotonic()); None until the event happened."""
+    """Monotonic seconds (time.monotonic()); None until the event happened.
+    num_generation_tokens: output tokens so far, summed over the n samples."""
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     last_token_time: float | None
     finished_time: float | None
+    num_generation_tokens: int = 0
 
 
 @dataclass

@@ -16,8 +16,23 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = ITL_BUCKETS  # vllm:request_time_per_output_token_seconds uses the same edges
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's edges for token-count histograms)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_value:
+                return out
+            out.append(v)
+        exp += 1
+
 
 _GAUGES = (("num_requests_running", "num_running", "Number of requests in model execution batches."),
            ("num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
@@ -65,7 +80,7 @@ class PrometheusStatLogger:
     """`registry` holds every series; `stats_fn()` returns the current EngineStats (or None
     before the engine exists). `record(outputs)` is the AsyncLLM stat-logger hook."""
 
-    def __init__(self, stats_fn, model_name: str):
+    def __init__(self, stats_fn, model_name: str, max_model_len: int = 8192):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineCollector(stats_fn, model_name))
@@ -81,6 +96,14 @@ class PrometheusStatLogger:
         self.queue = Histogram("jaxkv:request_queue_time_seconds", "Histogram of time spent "
                                "waiting before the first step of a request, in seconds.",
                                buckets=REQUEST_LATENCY_BUCKETS, **h).labels(model_name)
+        tokens = build_1_2_5_buckets(max_model_len)
+        self.req_prompt = Histogram("jaxkv:request_prompt_tokens", "Number of prefill tokens "
+                                    "processed.", buckets=tokens, **h).labels(model_name)
+        self.req_generation = Histogram("jaxkv:request_generation_tokens", "Number of generation "
+                                        "tokens processed.", buckets=tokens, **h).labels(model_name)
+        self.tpot = Histogram("jaxkv:request_time_per_output_token_seconds", "Histogram of "
+                              "time_per_output_token_seconds per request.", buckets=TPOT_BUCKETS,
+                              **h).labels(model_name)
         self.success = Counter("jaxkv:request_success", "Count of finished requests, by "
                                "finish reason.", labelnames=["model_name", "finished_reason"],
                                registry=self.registry)
@@ -115,3 +138,10 @@ class PrometheusStatLogger:
                 self._counted.pop(o.request_id, None)
                 if m.finished_time is not None:
                     self.e2e.observe(m.finished_time - m.arrival_time)
+                self.req_prompt.observe(len(o.prompt_token_ids))
+                self.req_generation.observe(m.num_generation_tokens)
+                # Mean time per output token after the first, per sample (vLLM: per request).
+                per_sample = m.num_generation_tokens / max(1, len(o.outputs))
+                if (per_sample > 1 and m.first_token_time is not None
+                        and m.last_token_time is not None):
+                    self.tpot.observe((m.last_token_time - m.first_token_time) / (per_sample - 1))

@@ -28,6 +28,7 @@ def run_server(ns) -> int:
     from jaxkv.engine.async_llm import AsyncLLM
     from jaxkv.logger import setup_logging
     from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
     from serve.app import build_app
     from serve.context import ServerContext
     from serve.metrics import PrometheusStatLogger
@@ -38,7 +39,7 @@ def run_server(ns) -> int:
     if ns.port is not None and not 0 <= ns.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     args = EngineArgs.from_cli_args(ns)  # validates every engine flag
-    read_config(args.model)      # a missing or unreadable model fails here, in one line
+    hf_config = read_config(args.model)  # a missing or unreadable model fails here, in one line
     setup_logging()
     from prometheus_client import disable_created_metrics
     disable_created_metrics()  # as vLLM: no *_created series
@@ -46,8 +47,9 @@ def run_server(ns) -> int:
     ctx = ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
                         model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
                         created=int(time.time()))
+    max_model_len = args.max_model_len or ModelConfig.from_hf_config(hf_config).max_position_embeddings
     metrics = PrometheusStatLogger(lambda: ctx.engine.stats() if ctx.engine is not None else None,
-                                   ctx.model_name)
+                                   ctx.model_name, max_model_len)
     app = build_app(ctx, metrics)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info",
                             timeout_graceful_shutdown=5, access_log=not ns.disable_uvicorn_access_log)

@@ -128,7 +128,8 @@ class OutputProcessor:
             first_scheduled_time=_min(x.first_scheduled_time for x in t),
             first_token_time=_min(x.first_token_time for x in t),
             last_token_time=_max(x.last_token_time for x in t),
-            finished_time=_max(x.finished_time for x in t) if finished else None)
+            finished_time=_max(x.finished_time for x in t) if finished else None,
+            num_generation_tokens=sum(c.num_output_tokens for c in g.children))
         if finished:
             del self.groups[g.request_id]
             for c in g.children:

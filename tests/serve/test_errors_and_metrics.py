@@ -104,7 +104,8 @@ def test_metrics_expose_vllm_series(server):
               "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
               "request_success_total", "time_to_first_token_seconds_bucket",
               "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-              "request_queue_time_seconds_bucket"):
+              "request_queue_time_seconds_bucket", "request_prompt_tokens_bucket",
+              "request_generation_tokens_bucket", "request_time_per_output_token_seconds_bucket"):
         assert f"jaxkv:{n}" in names, n
     assert not any(n.endswith("_created") for n in names)
     assert server.metric("jaxkv:num_total_blocks") == (128 << 20) // (16 * 46080) - 1

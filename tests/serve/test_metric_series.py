@@ -1,0 +1,51 @@
+"""Series of /metrics checked without a server: the speculative-decoding counters (vLLM's
+spec_decode_* under the jaxkv prefix, read from EngineStats at scrape time) and the per-request
+token and time-per-output-token histograms (vLLM's names and bucket edges)."""
+
+from dataclasses import replace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.test_stat_logger import IDLE
+from serve.metrics import PrometheusStatLogger
+
+
+def scrape(stats) -> dict:
+    text = generate_latest(PrometheusStatLogger(lambda: stats, "m").registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_spec_decode_counters_and_per_position():
+    stats = replace(IDLE, spec_decode_num_drafts=20, spec_decode_num_draft_tokens=60,
+                    spec_decode_num_accepted_tokens=30, spec_decode_num_accepted_tokens_per_pos=(15, 10, 5))
+    m = scrape(stats)
+    lab = (("model_name", "m"),)
+    assert m[("jaxkv:spec_decode_num_drafts_total", lab)] == 20
+    assert m[("jaxkv:spec_decode_num_draft_tokens_total", lab)] == 60
+    assert m[("jaxkv:spec_decode_num_accepted_tokens_total", lab)] == 30
+    per_pos = {dict(k[1])["position"]: v for k, v in m.items()
+               if k[0] == "jaxkv:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 15, "1": 10, "2": 5}
+    assert not [k for k in scrape(IDLE) if k[0].endswith("per_pos_total")]  # off: no positions
+
+
+def test_request_token_and_tpot_histograms():
+    from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from serve.metrics import build_1_2_5_buckets
+
+    assert build_1_2_5_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    lg = PrometheusStatLogger(lambda: IDLE, "m", max_model_len=1024)
+    outs = [CompletionOutput(0, "a", [1] * 11, finish_reason="length"),
+            CompletionOutput(1, "b", [1] * 11, finish_reason="length")]
+    lg.record([RequestOutput("r", None, [5] * 30, None, outs, True,
+                             RequestMetrics(0.0, 0.1, 0.5, 1.5, 1.5, num_generation_tokens=22))])
+    text = generate_latest(lg.registry).decode()
+    m = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert m[("jaxkv:request_prompt_tokens_sum", None)] == 30
+    assert m[("jaxkv:request_prompt_tokens_bucket", "20.0")] == 0
+    assert m[("jaxkv:request_prompt_tokens_bucket", "50.0")] == 1
+    assert m[("jaxkv:request_generation_tokens_sum", None)] == 22
+    assert m[("jaxkv:request_time_per_output_token_seconds_sum", None)] == 0.1  # 1 s / 10 tokens
+    assert m[("jaxkv:request_time_per_output_token_seconds_count", None)] == 1
