@@ -24,8 +24,8 @@ Targets (speculative-decoding issue): >= 1.8x single stream on grounded, >= 0.95
 batch16 >= 1.0x on grounded. The last line is JSON with single_grounded_speedup,
 single_free_speedup, batch16_grounded_speedup, batch16_free_speedup, single_code_speedup,
 batch8_code_speedup and greedy_identical. --quick: 4 single-stream prompts and 64 new tokens,
-about 3 minutes on 2 cores (engine starts included); the full run (8 prompts, 128 tokens)
-about 6 minutes.
+3-4 minutes on 2 cores (engine starts included); the full run (8 prompts, 128 tokens) 4-6
+minutes.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def run(llm, prompts, max_tokens: int, one_at_a_time: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    p = base_parser(__doc__.splitlines()[0], "4 single-stream prompts, 64 new tokens (~4 min)")
+    p = base_parser(__doc__.splitlines()[0], "4 single-stream prompts, 64 new tokens (~3-4 min)")
     p.add_argument("--single", type=int, default=None, help="single-stream prompts per workload "
                    "(default 8; 4 with --quick)")
     args = p.parse_args(argv)

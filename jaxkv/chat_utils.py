@@ -15,9 +15,24 @@ an unsafe template, or a template that rejects the conversation.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from typing import Any
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's --chat-template: the contents of the file `value` names, or `value` itself when
+    it is an inline Jinja template (it holds "{" or a newline). ValueError for a path that
+    does not exist (one line, naming it). None stays None (the model's own template)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{\n"):
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor an inline Jinja template")
 
 
 def special_token_texts(tokenizer) -> list[str]:

@@ -43,8 +43,13 @@ def cmd_generate(ns) -> int:
     dt = time.perf_counter() - t0
     c = out.outputs[0]
     print(c.text)
+    st = llm.stats()
+    spec = ""
+    if st.spec_decode_num_drafts:
+        spec = (f", draft acceptance rate {st.spec_decode_acceptance_rate:.2f}, mean acceptance "
+                f"length {1 + st.spec_decode_num_accepted_tokens / st.spec_decode_num_drafts:.2f}")
     print(f"[{len(c.token_ids)} tokens in {dt:.2f} s, {len(c.token_ids) / dt:.1f} tokens/s, "
-          f"finish_reason={c.finish_reason}]", file=sys.stderr)
+          f"finish_reason={c.finish_reason}{spec}]", file=sys.stderr)
     return 0
 
 

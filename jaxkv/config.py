@@ -56,6 +56,10 @@ class EngineArgs:
     model: str | None = _arg(None, "a .gguf file or a Hugging Face model folder (config.json + "
                              "*.safetensors + tokenizer files); default: the embedded "
                              "SmolLM2-135M-Instruct GGUF")
+    tokenizer: str | None = _arg(None, "a tokenizer folder (Hugging Face files) or a .gguf file to "
+                                 "use instead of the model's own tokenizer")
+    trust_remote_code: bool = _arg(False, "accepted for vLLM compatibility; jaxkv never runs code "
+                                   "from a checkpoint (its models are its own), so it changes nothing")
     dtype: str = _arg("auto", "weights and KV dtype; auto = bfloat16 on a GPU, float32 elsewhere",
                       choices=DTYPES)
     block_size: int = _arg(16, "tokens per KV block (a power of two)")
@@ -71,6 +75,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _arg(None, "number of KV blocks, overriding the budget")
     gpu_memory_utilization: float = _arg(0.9, "share of GPU memory for weights + KV cache")
     enable_prefix_caching: bool = _arg(True, "share full KV blocks between requests by hash")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps under the token "
+                                        "budget; always on in jaxkv (--no-enable-chunked-prefill "
+                                        "is refused)")
     enforce_eager: bool = _arg(False, "run without jit (debugging; very slow)")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
     attention_backend: str = _arg("auto", "auto = pallas on a GPU, xla elsewhere",
@@ -84,8 +91,8 @@ class EngineArgs:
         "max_num_batched_tokens, then the budget)", type=_int_list, metavar="N,N,...")
     speculative_config: dict | str | None = _arg(
         None, "speculative decoding as a JSON object, vLLM's names: {\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
-        "(n-gram prompt lookup; off when not given)", type=str, metavar="JSON")
+        "\"num_speculative_tokens\": 7, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
+        "(n-gram prompt lookup; optional \"disable_by_batch_size\": N; off when not given)", type=str, metavar="JSON")
     warmup_token_buckets: tuple[int, ...] | None = _arg(
         None, "the token buckets compiled before the engine is ready; the others compile in a "
         "background thread and steps use them once compiled (default: powers of 8 below "
@@ -126,6 +133,9 @@ class EngineArgs:
             bad("max_logprobs", "must be an integer >= 0")
         if not isinstance(self.seed, int):
             bad("seed", "must be an integer")
+        if not self.enable_chunked_prefill:
+            bad("enable_chunked_prefill", "cannot be turned off: jaxkv's scheduler always chunks "
+                "prompts under max_num_batched_tokens (as vLLM V1)")
         if self.swap_space:
             bad("swap_space", "is reserved: swapping to host memory is not implemented yet (use 0)")
         if self.tensor_parallel_size != 1:

@@ -26,7 +26,7 @@ from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_
 from serve.usage import UsageAccumulator
 
 
-def render_chat(tokenizer, req) -> dict:
+def render_chat(tokenizer, req, chat_template: str | None = None) -> dict:
     """The request's messages -> {"prompt": text, "prompt_token_ids": ids} (jaxkv.chat_utils:
     control tokens only from the template); APIError 400 naming the field if a message or
     the template's options are bad."""
@@ -43,7 +43,8 @@ def render_chat(tokenizer, req) -> dict:
         text, ids = chat_utils.render_chat(
             tokenizer, [m.as_dict() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
+            continue_final_message=req.continue_final_message, chat_template=chat_template,
+            chat_template_kwargs=kwargs)
     except ValueError as e:
         raise bad_request(e) from e
     return {"prompt": text, "prompt_token_ids": ids}
@@ -76,7 +77,7 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
     ctx.check_model(req.model)
     check_unsupported(req, chat=True)
     tok = ctx.engine.get_tokenizer()
-    prompt = render_chat(tok, req)
+    prompt = render_chat(tok, req, ctx.chat_template)
     k = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")

@@ -20,6 +20,7 @@ class ServerContext:
     api_key: str | None = None
     start_error: str | None = None     # why the engine could not start
     created: int = 0
+    chat_template: str | None = None   # --chat-template (None: the tokenizer's own)
 
     @property
     def ready(self) -> bool:

@@ -24,6 +24,7 @@ def served_model_name(model: str | None, override: str | None) -> str:
 def run_server(ns) -> int:
     import uvicorn
 
+    from jaxkv.chat_utils import load_chat_template
     from jaxkv.config import EngineArgs
     from jaxkv.engine.async_llm import AsyncLLM
     from jaxkv.logger import setup_logging
@@ -44,7 +45,9 @@ def run_server(ns) -> int:
     from prometheus_client import disable_created_metrics
     disable_created_metrics()  # as vLLM: no *_created series
 
+    chat_template = load_chat_template(ns.chat_template)  # a bad path fails here, in one line
     ctx = ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
+                        chat_template=chat_template,
                         model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
                         created=int(time.time()))
     max_model_len = args.max_model_len or ModelConfig.from_hf_config(hf_config).max_position_embeddings
@@ -92,6 +95,9 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also JAXKV_API_KEY)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: SmolLM2-135M-Instruct or MODEL)")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template inline) for "
+                   "/v1/chat/completions instead of the tokenizer's own")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     EngineArgs.add_cli_args(s)

@@ -41,7 +41,7 @@ def build_engine(cls, args):
     from jaxkv.attention import get_attention
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
-    from jaxkv.loader.source import load_checkpoint
+    from jaxkv.loader.source import load_checkpoint, load_tokenizer
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig
     from jaxkv.models.params import dummy_params, params_from_tensors
@@ -51,6 +51,7 @@ def build_engine(cls, args):
     enable_compilation_cache()
     platform = jax.default_backend()
     ckpt = load_checkpoint(args.model, args.load_format)
+    tokenizer = ckpt.tokenizer if args.tokenizer is None else load_tokenizer(args.tokenizer)
     config = args.create_engine_config(platform=platform,
                                        model_config=ModelConfig.from_hf_config(ckpt.config),
                                        device_memory_bytes=device_memory_bytes(platform))
@@ -78,7 +79,7 @@ def build_engine(cls, args):
         logger.info("warmup compiled %d programs in %.1f s (token buckets %s)%s", n, secs,
                     list(rc.warmup_token_buckets),
                     f"; token buckets {rest} compile in the background" if rest else "")
-    engine = cls(config, ckpt.tokenizer, scheduler, runner)
+    engine = cls(config, tokenizer, scheduler, runner)
     compiler = runner.start_background_compile()
     if compiler is not None:  # a dropped engine stops its compiler (the thread holds the runner)
         weakref.finalize(engine, compiler.cancel)

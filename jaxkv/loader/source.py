@@ -37,6 +37,23 @@ def load_checkpoint(model: str | None, load_format: str = "auto"):
     return ckpt
 
 
+def load_tokenizer(path: str):
+    """A tokenizer from a .gguf file or a Hugging Face folder with tokenizer files (vLLM's
+    --tokenizer). FileNotFoundError when the path or the files are missing."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer {path!r} not found (give a .gguf file or a folder "
+                                "with tokenizer files)")
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+        return tokenizer_from_gguf(path)
+    from jaxkv.loader.hf import _TOKENIZER_FILES
+    if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"tokenizer {path!r}: no tokenizer files there (looked for "
+                                f"{', '.join(_TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _merge_generation_config_eos(folder: str, config: dict) -> None:
     """vLLM stops on every EOS id of the model, including those only generation_config.json
     lists (Llama 3 Instruct's <|eot_id|>, Qwen2.5's <|im_end|>)."""
