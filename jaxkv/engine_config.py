@@ -162,6 +162,11 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     check_batched_tokens(mnbt, args.max_num_seqs)
     buckets, warmup_buckets = resolve_token_buckets(args.token_buckets, args.warmup_token_buckets,
                                                     mnbt)
+    speculative = SpeculativeConfig.from_value(args.speculative_config)
+    if speculative is not None and speculative.num_speculative_tokens >= mnbt:
+        raise ValueError(f"speculative_config.num_speculative_tokens ({speculative.num_speculative_tokens}) "
+                         f"must be less than max_num_batched_tokens ({mnbt}): a draft shares the "
+                         "step's token budget with its request's own token")
     kv_bytes = None if args.kv_cache_memory_bytes is None else parse_bytes(args.kv_cache_memory_bytes)
     budget = plan_kv_cache(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -176,4 +181,4 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
                             args.max_logprobs, args.enforce_eager, warmup_buckets),
-        speculative=SpeculativeConfig.from_value(args.speculative_config))
+        speculative=speculative)

@@ -104,6 +104,14 @@ class SamplingParams:
     """Keep the matched stop string at the end of the output text."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Cumulative, delta or final-only outputs (see RequestOutputKind)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit before sampling (OpenAI's logit_bias; keys may be
+    strings of digits, as JSON sends them). Normalised to {int: float}."""
+    allowed_token_ids: list[int] | None = None
+    """Sample only among these token ids (vLLM's allowed_token_ids); non-empty."""
+    bad_words: list[str] | None = None
+    """Words never generated (vLLM's bad_words): each, with and without a leading space, is
+    tokenized; the last token of its ids is banned wherever the output ends with the others."""
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -186,6 +194,30 @@ class SamplingParams:
                     _fail(name, "must be >= 0", value)
                 setattr(self, name, value)
 
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
+            bias = {}
+            for k, v in self.logit_bias.items():
+                if isinstance(k, str) and k.strip().isdigit():
+                    k = int(k)
+                if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+                    _fail("logit_bias", "keys must be token ids (ints >= 0)", k)
+                bias[int(k)] = _as_float("logit_bias", v)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                _fail("allowed_token_ids", "must be a non-empty list of token ids", self.allowed_token_ids)
+            self.allowed_token_ids = [_as_int("allowed_token_ids", t) for t in self.allowed_token_ids]
+            if any(t < 0 for t in self.allowed_token_ids):
+                _fail("allowed_token_ids", "must be >= 0", self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                _fail("bad_words", "must be a list of str", self.bad_words)
+            self.bad_words = list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                _fail("bad_words", "must contain only non-empty strings", self.bad_words)
+
         if not isinstance(self.output_kind, RequestOutputKind):
             _fail("output_kind", "must be a RequestOutputKind", self.output_kind)
 
@@ -199,6 +231,11 @@ class SamplingParams:
         """Whether any of repetition/presence/frequency penalty is active."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def has_logits_filters(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def clone(self) -> SamplingParams:
         """A deep copy (the engine may fill in max_tokens on its own copy)."""

@@ -65,15 +65,19 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"jaxkv:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(s, field)))
             yield g
+        spec = bool(s.spec_decode_num_accepted_tokens_per_pos)  # speculative decoding is on
         for name, field, doc in _COUNTERS:
+            if name.startswith("spec_decode") and not spec:
+                continue  # as vLLM: the spec_decode series exist only when it is on
             c = CounterMetricFamily(f"jaxkv:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(s, field)))
             yield c
-        c = CounterMetricFamily("jaxkv:spec_decode_num_accepted_tokens_per_pos", "Accepted "
-                                "tokens per draft position.", labels=["model_name", "position"])
-        for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            c.add_metric([self.model_name, str(pos)], float(n))
-        yield c
+        if spec:
+            c = CounterMetricFamily("jaxkv:spec_decode_num_accepted_tokens_per_pos", "Accepted "
+                                    "tokens per draft position.", labels=["model_name", "position"])
+            for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                c.add_metric([self.model_name, str(pos)], float(n))
+            yield c
 
 
 class PrometheusStatLogger:

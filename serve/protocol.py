@@ -70,6 +70,9 @@ class _Sampling(_Base):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's; token id (as a string) -> bias
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -85,7 +88,11 @@ class _Sampling(_Base):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            # As vLLM: biases clamped to OpenAI's [-100, 100].
+            logit_bias=({k: min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()}
+                        if self.logit_bias else None),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
@@ -100,7 +107,6 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 class TextPart(_Base):
@@ -129,7 +135,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None

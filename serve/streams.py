@@ -92,11 +92,9 @@ class RequestBatch:
 
 
 def check_unsupported(req, chat: bool = False) -> None:
-    """400 for request fields jaxkv does not implement (protocol.UNSUPPORTED, logit_bias,
+    """400 for request fields jaxkv does not implement (protocol.UNSUPPORTED,
     add_special_tokens=true on chat: its template writes every special token), rather than
     silently ignoring them; other unknown fields are ignored with a warning, as vLLM does."""
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", 400, "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options can only be set when stream is true", 400, "stream_options")
     extra = dict(req.model_extra or {})

@@ -14,7 +14,8 @@ def test_defaults_match_vllm():
         presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=[], stop_token_ids=[],
         ignore_eos=False, min_tokens=0, max_tokens=16, logprobs=None, prompt_logprobs=None,
         skip_special_tokens=True, include_stop_str_in_output=False,
-        output_kind=RequestOutputKind.CUMULATIVE,
+        output_kind=RequestOutputKind.CUMULATIVE, logit_bias=None, allowed_token_ids=None,
+        bad_words=None,
     )
     assert {f.name: getattr(p, f.name) for f in dataclasses.fields(p)} == expected
     assert not p.is_greedy
@@ -96,3 +97,21 @@ def test_clone_is_deep():
     q.stop_token_ids.append(4)
     q.max_tokens = 100
     assert p.stop == ["a"] and p.stop_token_ids == [3] and p.max_tokens is None
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logit_bias=[1, 2]), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias"), (dict(logit_bias={3: float("nan")}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1.5]), "allowed_token_ids"), (dict(bad_words="word"), "bad_words"),
+    (dict(bad_words=["ok", " "]), "bad_words"),
+])
+def test_logits_filters_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_keys_from_json():
+    p = SamplingParams(logit_bias={"42": 5, 7: -1.5})
+    assert p.logit_bias == {42: 5.0, 7: -1.5} and p.has_logits_filters
+    assert not SamplingParams().has_logits_filters

@@ -114,16 +114,19 @@ class BlockPool:
         """Forget a block's hash (its contents can no longer be trusted); it stays allocated."""
         self._evict(self.blocks[block_id])
 
-    def free_blocks(self, block_ids) -> None:
+    def free_blocks(self, block_ids, front: bool = False) -> None:
         """Drop one reference from each block, in the order given; blocks reaching 0 join the
         back of the free queue (callers pass a request's blocks tail first, so tails are
-        evicted before the shared heads)."""
+        evicted before the shared heads), or with `front` its front: blocks holding nothing
+        worth keeping (rejected draft positions) are reused before any cached block."""
         for bid in block_ids:
             blk = self.blocks[bid]
             assert blk.ref_cnt > 0 and bid != 0, f"double free of block {bid}"
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
                 self.free_queue[bid] = None
+                if front:
+                    self.free_queue.move_to_end(bid, last=False)
 
     @property
     def num_used_blocks(self) -> int:

@@ -129,13 +129,14 @@ class KVCacheManager:
 
     def trim(self, req: Request, num_tokens: int) -> int:
         """Free `req`'s blocks past those holding its first `num_tokens` tokens (after rejected
-        draft tokens: those blocks hold only rejected positions and were never hashed).
-        Returns how many were freed."""
+        draft tokens: those blocks hold only rejected positions and were never hashed). They
+        go to the front of the free queue, so the next draft takes them back instead of
+        evicting a cached block. Returns how many were freed."""
         blocks = self.req_to_blocks.get(req.request_id, [])
         keep = cdiv(num_tokens, self.block_size)
         extra = blocks[keep:]
         del blocks[keep:]
-        self.pool.free_blocks(reversed(extra))
+        self.pool.free_blocks(extra, front=True)
         return len(extra)
 
     def free(self, req: Request) -> None:

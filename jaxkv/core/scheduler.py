@@ -181,7 +181,7 @@ class Scheduler:
         start = req.num_computed_tokens
         n -= len(draft)  # the request's own tokens
         sp = req.sampling_params
-        penalties = sp.has_penalties
+        penalties = sp.has_penalties or bool(sp.bad_words)  # both read the token history
         targets = []
         if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
             targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]

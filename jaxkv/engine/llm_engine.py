@@ -19,6 +19,20 @@ from jaxkv.sampling_params import SamplingParams
 logger = logging.getLogger("jaxkv")
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Token id sequences of `words` as vLLM tokenizes bad_words: each word as given and with
+    one leading space (when that gives another first token and as many tokens), no special
+    tokens; duplicates dropped."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced):
+            if ids and ids not in out and (ids is plain or (ids[0] != plain[0] and len(ids) == len(plain))):
+                out.append(ids)
+    return out
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     """Internal id of sample `index` of a request with n samples (vLLM's f"{index}_{id}")."""
     return request_id if n == 1 else f"{index}_{request_id}"
@@ -89,6 +103,13 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for name, given in (("logit_bias", list(params.logit_bias or ())),
+                            ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in given if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.bad_words:
+            params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params.top_k = min(params.top_k, vocab)  # as vLLM: top_k above the vocabulary keeps all
         max_logprobs = self.config.runner.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):

@@ -1,7 +1,8 @@
 """On-device sampling: temperature, top-k, top-p, min-p, penalties, per-request seeds, logprobs.
 
-Semantics follow vLLM's V1 Sampler: penalties (repetition on prompt+output tokens, then
-frequency and presence on output tokens) and the min_tokens ban apply to the logits first;
+Semantics follow vLLM's V1 Sampler: allowed_token_ids, the bans (bad words, min_tokens),
+logit_bias and the penalties (repetition on prompt+output tokens, then frequency and presence
+on output tokens) apply to the logits first;
 greedy rows take the argmax; random rows divide by temperature, apply min-p, top-k and top-p,
 and draw from what is left. Returned logprobs are the raw model log-probabilities (before
 penalties and temperature), as vLLM's default logprobs mode.
@@ -58,7 +59,11 @@ class PenaltyArrays(NamedTuple):
     frequency: jax.Array      # float32 [R]
     prompt_ids: jax.Array     # int32 [R, W], padded with vocab_size (W: 512 x 8^k or L)
     output_ids: jax.Array     # int32 [R, W], padded with vocab_size
-    banned_ids: jax.Array     # int32 [R, K], padded with vocab_size (min_tokens stop ban)
+    banned_ids: jax.Array     # int32 [R, K], padded with vocab_size (min_tokens ban, bad words)
+    bias_ids: jax.Array       # int32 [R, KB], padded with vocab_size (logit_bias keys)
+    bias_values: jax.Array    # float32 [R, KB]
+    allowed_ids: jax.Array    # int32 [R, KA], padded with vocab_size (allowed_token_ids)
+    has_allowed: jax.Array    # bool [R]: the row samples only among its allowed_ids
 
 
 class SamplerOutput(NamedTuple):
@@ -70,14 +75,19 @@ class SamplerOutput(NamedTuple):
 
 
 def apply_penalties(logits, p: PenaltyArrays):
+    """In vLLM V1's order: allowed_token_ids, bans (bad words, min_tokens), logit_bias, then
+    repetition / frequency / presence penalties."""
     r, v = logits.shape
     rows = jnp.arange(r)[:, None]
+    allowed = jnp.zeros((r, v), bool).at[rows, p.allowed_ids].set(True, mode="drop")
+    logits = jnp.where(p.has_allowed[:, None] & ~allowed, -jnp.inf, logits)
+    logits = logits.at[rows, p.banned_ids].set(-jnp.inf, mode="drop")
+    logits = logits.at[rows, p.bias_ids].add(p.bias_values, mode="drop")
     out_counts = jnp.zeros((r, v), jnp.float32).at[rows, p.output_ids].add(1.0, mode="drop")
     seen = jnp.zeros((r, v), bool).at[rows, p.prompt_ids].set(True, mode="drop") | (out_counts > 0)
     rep = p.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - p.frequency[:, None] * out_counts - p.presence[:, None] * (out_counts > 0)
-    return logits.at[rows, p.banned_ids].set(-jnp.inf, mode="drop")
+    return logits - p.frequency[:, None] * out_counts - p.presence[:, None] * (out_counts > 0)
 
 
 RACE_GROUP = 256  # tokens per group of the two-stage race (49152 tokens: 192 groups)

@@ -74,9 +74,10 @@ def sampling_arrays(spans: list[Span], r: int) -> smp.SamplingArrays:
 
 
 def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: int) -> smp.PenaltyArrays:
-    """Penalty parameters [r] and token ids [r, W] (padded with vocab_size, which the sampler's
-    scatter drops). W holds the step's longest prompt or output (drafts included): 512, then
-    x8 (4096, ...), capped at max_model_len; each width is a sampler program, so they are few."""
+    """Penalty parameters [r], token ids [r, W] (padded with vocab_size, which the sampler's
+    scatters drop), bans, logit_bias and allowed_token_ids per row. W holds the step's longest
+    prompt or output (drafts included): 512, then x8 (4096, ...), capped at max_model_len; the
+    other widths are powers of two. Each width is a sampler program, so they are few."""
     v = vocab_size
     rep = np.ones(r, np.float32)
     pres = np.zeros(r, np.float32)
@@ -90,27 +91,60 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
     width = min(max_model_len, width)
     prompt = np.full((r, width), v, np.int32)
     output = np.full((r, width), v, np.int32)
-    most_banned = max((len(sp_.sched.min_tokens_banned_ids) for sp_ in spans), default=0)
-    banned = np.full((r, pow2_at_least(most_banned)), v, np.int32)
+    bans = [[] for _ in range(r)]
+    bias = [{} for _ in range(r)]
+    allowed = [[] for _ in range(r)]
     for sp_ in spans:
         s, p = sp_.sched, sp_.sched.sampling_params
+        words = getattr(p, "_bad_words_token_ids", None) or []
         for j in range(sp_.count):
             i = sp_.row + j
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            out_ids = None
             if s.prompt_token_ids is not None:
                 out_ids = list(s.output_token_ids) + s.spec_token_ids[:j]
                 prompt[i, :len(s.prompt_token_ids)] = s.prompt_token_ids
                 output[i, :len(out_ids)] = out_ids
             # The min_tokens ban (the scheduler lists the ids while too few outputs exist).
             if s.num_output_tokens + j < p.min_tokens:
-                banned[i, :len(s.min_tokens_banned_ids)] = s.min_tokens_banned_ids
-    return smp.PenaltyArrays(rep, pres, freq, prompt, output, banned)
+                bans[i] += s.min_tokens_banned_ids
+            bans[i] += bad_word_bans(words, out_ids or [])
+            bias[i] = p.logit_bias or {}
+            allowed[i] = p.allowed_token_ids or []
+    banned = _padded(bans, v, np.int32)
+    bias_ids = _padded([list(b) for b in bias], v, np.int32)
+    bias_values = _padded([list(b.values()) for b in bias], 0.0, np.float32)
+    allowed_ids = _padded(allowed, v, np.int32)
+    has_allowed = np.array([bool(a) for a in allowed], bool)
+    return smp.PenaltyArrays(rep, pres, freq, prompt, output, banned, bias_ids, bias_values,
+                             allowed_ids, has_allowed)
+
+
+def bad_word_bans(words: list[list[int]], output_ids: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end the output (vLLM's rule: a
+    one-token word is always banned)."""
+    out = []
+    for w in words:
+        head = w[:-1]
+        if not head or output_ids[len(output_ids) - len(head):] == head:
+            out.append(w[-1])
+    return out
+
+
+def _padded(lists, fill, dtype) -> np.ndarray:
+    """[len(lists), pow2 >= the longest (at least 8)], each list left-aligned, `fill` after."""
+    a = np.full((len(lists), pow2_at_least(max(map(len, lists), default=0))), fill, dtype)
+    for i, x in enumerate(lists):
+        a[i, :len(x)] = x
+    return a
 
 
 def needs_penalties(s) -> bool:
-    """Penalties, or the min_tokens ban (the scheduler lists the banned stop ids only while
-    fewer than min_tokens outputs exist, as vLLM's MinTokensLogitsProcessor)."""
-    return s.sampling_params.has_penalties or bool(s.min_tokens_banned_ids)
+    """Penalties, the min_tokens ban (the scheduler lists the banned stop ids only while
+    fewer than min_tokens outputs exist, as vLLM's MinTokensLogitsProcessor), logit_bias,
+    allowed_token_ids or bad_words."""
+    p = s.sampling_params
+    return p.has_penalties or bool(s.min_tokens_banned_ids) or p.has_logits_filters
 
 
 def num_accepted(sampled, draft) -> int:

@@ -215,6 +215,17 @@ def test_cli_flag_reaches_the_engine_config():
         assert config.speculative == SpeculativeConfig("ngram", 4, 4, 2)
 
 
+def test_more_drafts_than_the_budget_is_refused():
+    from jaxkv.engine_config import create_engine_config
+    from jaxkv.models.model_config import ModelConfig
+    from tests.runner.test_compilation import TINY_CONFIG
+
+    args = EngineArgs(max_num_batched_tokens=32, max_num_seqs=8,
+                      speculative_config={"num_speculative_tokens": 32})
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(32\) must be less than max_num_batched_tokens \(32\)"):
+        create_engine_config(args, platform="cpu", model_config=ModelConfig.from_hf_config(TINY_CONFIG))
+
+
 def test_disable_by_batch_size():
     kv = KVCacheManager(64, 4)
     c = SpeculativeConfig.from_value({"num_speculative_tokens": 2, "prompt_lookup_max": 2,
@@ -229,3 +240,37 @@ def test_disable_by_batch_size():
         drafted_with += [len(out.scheduled)] * any(s.spec_token_ids for s in out.scheduled)
         sched.update_from_output(out, RunnerOutput({s.request_id: [5] for s in out.scheduled if s.sample}))
     assert drafted_with and max(drafted_with) == 2  # three running: no drafts; two or one: drafts
+def drain(sched, reject=True):
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        res = RunnerOutput()
+        for s in out.scheduled:
+            if s.sample:
+                d = s.spec_token_ids
+                res.sampled[s.request_id] = [9 if d and d[0] != 9 else 8] if reject else d + [5]
+        sched.update_from_output(out, res)
+
+
+def cached_hits_after_long_decode(spec):
+    kv = KVCacheManager(64, 4)
+    cfg = SpeculativeConfig.from_value({"num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                        "prompt_lookup_min": 1}) if spec else None
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256), cfg)
+    prefix = list(range(100, 140))
+    sched.add_request(Request("a", prefix, SamplingParams(max_tokens=1), None, 0))
+    drain(sched)
+    # One long decode whose drafts are always rejected (tokens 8/9 keep matching n-grams).
+    sched.add_request(Request("b", [8, 9, 8, 9], SamplingParams(max_tokens=100), None, 0))
+    drain(sched)
+    again = Request("a2", prefix, SamplingParams(max_tokens=1), None, 0)
+    return kv.get_computed_blocks(again)[1]
+
+
+def test_rejected_drafts_do_not_evict_the_prefix_cache():
+    """Blocks freed after rejected drafts go to the front of the free queue (found by review:
+    at the back, a decode whose drafts keep failing walked through the queue evicting every
+    cached prefix)."""
+    without = cached_hits_after_long_decode(spec=False)
+    with_spec = cached_hits_after_long_decode(spec=True)
+    assert without == 36
+    assert with_spec == without, "drafts evicted cached prefix blocks they never kept"

@@ -160,3 +160,26 @@ def test_preemption_with_drafts_keeps_outputs(llm):
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
                                 margins_from_logprobs(b.outputs[0].logprobs), what="preempted, drafts")
     idle(small)
+
+
+def test_bad_words_and_logit_bias_with_drafts(llm, spec_llm):
+    """Draft rows get their own bans: a bad word that the copy would produce mid-run is banned
+    at the right row, exactly as without speculation."""
+    prompt = chats(llm, COPY[1:])[0]
+    params = [SamplingParams(temperature=0, max_tokens=40, bad_words=["budget"]),
+              SamplingParams(temperature=0, max_tokens=40, bad_words=["library", "weekends"],
+                             logit_bias={"13": 2.0}),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=40, bad_words=["members"])]
+    ref = llm.generate([prompt] * 3, params, use_tqdm=False)
+    before = spec_llm.stats()
+    got = spec_llm.generate([prompt] * 3, params, use_tqdm=False)
+    assert spec_delta(spec_llm, before)[1] > 20
+    from jaxkv.engine.llm_engine import bad_words_token_ids
+    for a, b, sp in zip(got, ref, params):
+        ids = a.outputs[0].token_ids
+        assert ids == b.outputs[0].token_ids, sp
+        for s in bad_words_token_ids(llm.get_tokenizer(), sp.bad_words):  # vLLM's token rule
+            assert not any(ids[i:i + len(s)] == s for i in range(len(ids)))
+    unbanned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    assert unbanned[0].outputs[0].token_ids != ref[0].outputs[0].token_ids  # "budget" was there
+    idle(spec_llm)
