@@ -15,8 +15,10 @@ from serve.chat import create_chat_completion, render_chat
 from serve.completions import create_completion
 from serve.context import ServerContext
 from serve.errors import APIError, error_body, install_error_handlers
+from serve.openapi import HEALTH_OK, PROMETHEUS, SSE, errors, install_openapi, ok
 from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from serve.protocol_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from serve.protocol_responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
+                                     ModelCard, ModelList, TokenizeResponse, VersionResponse)
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -79,6 +81,7 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
     `metrics` is the PrometheusStatLogger whose registry /metrics exposes."""
     app = FastAPI(title="jaxkv", version=jaxkv.__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(GuardMiddleware, ctx=ctx)
 
     def engine():
@@ -86,33 +89,34 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
             raise APIError(f"not ready: {ctx.not_ready_reason()}", 503)
         return ctx.engine
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={**HEALTH_OK, **errors(503)})
     async def health():
         if not ctx.ready:
             return JSONResponse(error_body(ctx.not_ready_reason(), 503), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses={**ok(VersionResponse), **errors()})
     async def version():
         return {"version": jaxkv.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={**ok(ModelList), **errors(401)})
     async def models():
         card = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_path or ctx.model_name,
                          max_model_len=ctx.engine.max_model_len if ctx.ready else None)
         return ModelList(data=[card]).model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**ok(CompletionResponse, SSE), **errors(400, 401, 404, 503)})
     async def completions(req: CompletionRequest, raw: Request):
         engine()
         return await create_completion(req, ctx, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses={**ok(ChatCompletionResponse, SSE), **errors(400, 401, 404, 503)})
     async def chat(req: ChatCompletionRequest, raw: Request):
         engine()
         return await create_chat_completion(req, ctx, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={**ok(TokenizeResponse), **errors(400, 404, 503)})
     async def tokenize(req: TokenizeRequest):
         eng = engine()
         ctx.check_model(req.model)
@@ -128,7 +132,7 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
                 raise APIError(f"prompt: the text cannot be encoded ({e})"[:300], 400, "prompt") from e
         return TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids).model_dump()
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={**ok(DetokenizeResponse), **errors(400, 404, 503)})
     async def detokenize(req: DetokenizeRequest):
         eng = engine()
         ctx.check_model(req.model)
@@ -138,7 +142,7 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
             raise APIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
         return DetokenizeResponse(prompt=eng.get_tokenizer().decode(req.tokens)).model_dump()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={**PROMETHEUS, **errors()})
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -184,6 +184,10 @@ class ModelList(OpenAIResponse):
     data: list[ModelCard] = []
 
 
+class VersionResponse(OpenAIResponse):
+    version: str
+
+
 class TokenizeResponse(OpenAIResponse):
     count: int
     max_model_len: int

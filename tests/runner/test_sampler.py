@@ -26,10 +26,21 @@ def test_penalties_match_vllm_formulas():
     output[1, :1] = [7]
     banned = np.full((2, 8), V, np.int32)
     banned[1, 0] = 3
+    bias_ids = np.full((2, 8), V, np.int32)
+    bias_ids[0, :2] = [5, 9]
+    bias_values = np.zeros((2, 8), np.float32)
+    bias_values[0, :2] = [1.5, -2.0]
+    allowed = np.full((2, 8), V, np.int32)
+    allowed[1, :3] = [3, 7, 9]
     pen = smp.PenaltyArrays(np.array([1.3, 1.0], np.float32), np.array([0.5, 0.2], np.float32),
-                            np.array([0.25, 0.0], np.float32), prompt, output, banned)
+                            np.array([0.25, 0.0], np.float32), prompt, output, banned,
+                            bias_ids, bias_values, allowed, np.array([False, True]))
     got = np.asarray(smp.apply_penalties(jnp.asarray(logits), pen))
     want = logits.copy()
+    # vLLM V1's order: allowed_token_ids, bans, logit_bias, then the penalties.
+    want[1, [t for t in range(V) if t not in (3, 7, 9)]] = -np.inf
+    want[0, 5] += 1.5
+    want[0, 9] -= 2.0
     for t in (1, 2, 5):  # repetition: tokens seen in prompt or output
         want[0, t] = want[0, t] / 1.3 if want[0, t] > 0 else want[0, t] * 1.3
     counts = {2: 1, 5: 3}
