@@ -62,6 +62,7 @@ def cmd_plan(ns) -> int:
     config = engine_args_from(ns).create_engine_config(platform=platform,
                                                        device_memory_bytes=device_memory_bytes(platform))
     mc, b, dtype = config.model_config, config.cache.budget, config.runner.dtype
+    kv_dtype = config.runner.kv_cache_dtype
     if ns.json:
         print(json.dumps({"bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
                           "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4)}))
@@ -70,7 +71,7 @@ def cmd_plan(ns) -> int:
         print(f"model: {ns.model or 'SmolLM2-135M-Instruct (embedded)'} ({mc.num_layers} layers, "
               f"{mc.num_kv_heads} KV heads x {mc.head_dim}, {dtype} on {platform})")
         print(f"bytes per token: {b.bytes_per_token:,}  (2 x {mc.num_layers} x {mc.num_kv_heads} x "
-              f"{mc.head_dim} x {DTYPE_BYTES[dtype]})")
+              f"{mc.head_dim} x {DTYPE_BYTES[kv_dtype]}: KV cache {kv_dtype})")
         print(f"blocks: {b.num_blocks:,} of {b.block_size} tokens = {b.num_tokens:,} tokens")
         print(f"max concurrency at {config.max_model_len:,} tokens per request: {b.max_concurrency:.2f}")
     return 0

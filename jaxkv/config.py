@@ -18,6 +18,9 @@ from jaxkv.core.kv_budget import parse_bytes
 from jaxkv.core.spec_decode import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM; float8 pools
+# are stored unscaled, as vLLM's fp8 KV cache without calibrated scales).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
@@ -62,6 +65,10 @@ class EngineArgs:
                                    "from a checkpoint (its models are its own), so it changes nothing")
     dtype: str = _arg("auto", "weights and KV dtype; auto = bfloat16 on a GPU, float32 elsewhere",
                       choices=DTYPES)
+    kv_cache_dtype: str = _arg("auto", "dtype of the KV pool: auto = the model's dtype; bfloat16 "
+                               "or float16 hold 2x the tokens of float32, fp8 (= fp8_e4m3) and "
+                               "fp8_e5m2 4x (unscaled, as vLLM's fp8 without calibration)",
+                               choices=KV_CACHE_DTYPES)
     block_size: int = _arg(16, "tokens per KV block (a power of two)")
     max_model_len: int | None = _arg(None, "prompt + output tokens of one request; default: the "
                                      "model's max_position_embeddings")
@@ -112,6 +119,8 @@ class EngineArgs:
 
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         pos_int("block_size")
         if self.block_size & (self.block_size - 1):
             bad("block_size", "must be a power of two")

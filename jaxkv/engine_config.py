@@ -19,7 +19,8 @@ from jaxkv.models.model_config import ModelConfig
 
 CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
 GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's usual default for online serving
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+KV_CACHE_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class RunnerConfig:
     # The token buckets compiled before the engine is ready (a subset of token_buckets holding
     # one >= the budget); the others compile in a background thread after warmup.
     warmup_token_buckets: tuple[int, ...]
+    # The KV pool's dtype (a jnp dtype name: the weights' dtype, or narrower with kv_cache_dtype).
+    kv_cache_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,15 @@ def resolve_token_buckets(token_buckets, warmup_token_buckets, max_num_batched_t
     return buckets, warm
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """vLLM's --kv-cache-dtype -> the pool's jnp dtype name: auto = the weights' `dtype`;
+    fp8 / fp8_e4m3 -> float8_e4m3fn, fp8_e5m2 -> float8_e5m2. A pool never wider than the
+    weights (bfloat16 weights keep a bfloat16 pool for "auto")."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return KV_CACHE_DTYPE_NAMES.get(kv_cache_dtype, kv_cache_dtype)
+
+
 def resolve_backend(name: str, platform: str) -> str:
     """auto -> "pallas" on GPU, "xla" elsewhere; "pallas" and "xla" stay as asked (pallas off
     a GPU runs in interpret mode). ValueError for an unknown name."""
@@ -167,10 +179,11 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         raise ValueError(f"speculative_config.num_speculative_tokens ({speculative.num_speculative_tokens}) "
                          f"must be less than max_num_batched_tokens ({mnbt}): a draft shares the "
                          "step's token budget with its request's own token")
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     kv_bytes = None if args.kv_cache_memory_bytes is None else parse_bytes(args.kv_cache_memory_bytes)
     budget = plan_kv_cache(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-        dtype_bytes=DTYPE_BYTES[dtype], block_size=args.block_size, max_model_len=max_model_len,
+        dtype_bytes=DTYPE_BYTES[kv_dtype], block_size=args.block_size, max_model_len=max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory_bytes,
         used_memory_bytes=mc.num_params() * DTYPE_BYTES[dtype])
@@ -180,5 +193,5 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget),
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
-                            args.max_logprobs, args.enforce_eager, warmup_buckets),
+                            args.max_logprobs, args.enforce_eager, warmup_buckets, kv_dtype),
         speculative=speculative)

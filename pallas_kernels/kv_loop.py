@@ -52,8 +52,9 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
         kpos = c * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # [block_k]
         blk = bt_ref[seq, jnp.minimum(kpos // block_size, max_blocks - 1)]     # [block_k]
         off = kpos % block_size
-        k = k_ref[layer, blk, off, kv_head, :]                                  # [block_k, D]
-        v = v_ref[layer, blk, off, kv_head, :]                                  # [block_k, D]
+        # Cast to q's dtype (a no-op unless the pool is narrower, e.g. float8).
+        k = k_ref[layer, blk, off, kv_head, :].astype(q.dtype)                  # [block_k, D]
+        v = v_ref[layer, blk, off, kv_head, :].astype(q.dtype)                  # [block_k, D]
         s = dot(q, k, trans_b=True) * scale                                     # [M, block_k]
         mask = kpos[None, :] <= limit
         s = jnp.where(mask, s, NEG)

@@ -6,7 +6,8 @@ Triton lowering rejects:
   * every array a kernel loads, computes or stores has a power-of-two number of elements
     (the tuning knobs block_m / block_k, the padded query group, head_dim);
   * every operand of a dot has each dimension >= 16 (tensor-core tile minimum);
-  * operands of a dot share one element type (q, k_cache and v_cache have one dtype).
+  * operands of a dot share one element type (each loaded K/V block is cast to q's dtype; the
+    pool itself may be narrower: bfloat16, float16 or float8).
 The kernels themselves use no TPU-only API (no pltpu, no PrefetchScalarGridSpec), read block
 tables and the layer index by ref indexing, and accumulate in float32.
 """
@@ -18,6 +19,8 @@ import numbers
 import jax.numpy as jnp
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# KV pool dtypes (a narrower pool holds more tokens; blocks are cast to q's dtype when loaded).
+KV_DTYPES = FLOAT_DTYPES + (jnp.float8_e4m3fn, jnp.float8_e5m2)
 MIN_DOT_DIM = 16
 
 
@@ -79,9 +82,10 @@ def check_pool(q, k_cache, v_cache, layer) -> tuple[int, int, int, int]:
     if getattr(v_cache, "shape", None) != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got "
                          f"{getattr(v_cache, 'shape', None)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache and v_cache must have q's dtype {q.dtype} (a Triton dot takes "
-                         f"one element type), got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or jnp.dtype(k_cache.dtype) not in [jnp.dtype(d) for d in KV_DTYPES]:
+        raise ValueError(f"k_cache and v_cache must share one dtype of {[jnp.dtype(d).name for d in KV_DTYPES]} "
+                         f"(the kernels cast each loaded block to q's dtype), got {k_cache.dtype} "
+                         f"and {v_cache.dtype}")
     if k_cache.ndim == 5:
         if layer is None:
             raise ValueError("layer is required with a stacked [num_layers, ...] k_cache")

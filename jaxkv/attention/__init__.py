@@ -39,14 +39,24 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer):
     k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim];
     k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: int32 [num_tokens],
     slot = block_id * block_size + offset (padding rows point into the null block 0);
-    layer: int32 scalar. Returns the updated (k_cache, v_cache): an in-place scatter when the
-    pool is donated.
+    layer: int32 scalar. The pool may be narrower than k and v (kv_cache_dtype: bfloat16,
+    float16, float8): values are cast to it (`to_pool_dtype`). Returns the updated (k_cache,
+    v_cache): an in-place scatter when the pool is donated.
     """
     block_size = k_cache.shape[2]
     blk, off = slot_mapping // block_size, slot_mapping % block_size
-    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[layer, blk, off].set(to_pool_dtype(k, k_cache.dtype))
+    v_cache = v_cache.at[layer, blk, off].set(to_pool_dtype(v, v_cache.dtype))
     return k_cache, v_cache
+
+
+def to_pool_dtype(x, dtype):
+    """x cast to the pool's dtype; a float8 pool saturates at its largest finite value (a
+    plain cast would turn a value beyond it into NaN: float8_e4m3fn has no infinity)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
 
 
 def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,

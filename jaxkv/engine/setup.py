@@ -62,7 +62,7 @@ def build_engine(cls, args):
     else:
         params = params_from_tensors(model, ckpt.tensors)
     del ckpt.tensors
-    logger.info(config.cache.budget.log_line())
+    logger.info("%s (%s)", config.cache.budget.log_line(), rc.kv_cache_dtype)
 
     runner = ModelRunner(model, params, config)
     cc = config.cache

@@ -135,7 +135,8 @@ class ModelRunner:
     def _new_kv_cache(self):
         c = self.model.cfg
         shape = (c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        return (jnp.zeros(shape, self.model.dtype), jnp.zeros(shape, self.model.dtype))
+        dtype = jnp.dtype(self.config.runner.kv_cache_dtype)  # the weights' or narrower
+        return (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     def recover_kv_cache(self) -> bool:
         """After a failed step: True when the KV pool did not survive it (donated to a program
