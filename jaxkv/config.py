@@ -82,7 +82,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _arg(None, "number of KV blocks, overriding the budget")
     gpu_memory_utilization: float = _arg(0.9, "share of GPU memory for weights + KV cache")
     enable_prefix_caching: bool = _arg(True, "share full KV blocks between requests by hash")
-    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps under the token "
+    enable_chunked_prefill: bool | None = _arg(None, "split long prompts over steps under the token "
                                         "budget; always on in jaxkv (--no-enable-chunked-prefill "
                                         "is refused)")
     enforce_eager: bool = _arg(False, "run without jit (debugging; very slow)")
@@ -142,7 +142,7 @@ class EngineArgs:
             bad("max_logprobs", "must be an integer >= 0")
         if not isinstance(self.seed, int):
             bad("seed", "must be an integer")
-        if not self.enable_chunked_prefill:
+        if self.enable_chunked_prefill is False:
             bad("enable_chunked_prefill", "cannot be turned off: jaxkv's scheduler always chunks "
                 "prompts under max_num_batched_tokens (as vLLM V1)")
         if self.swap_space:
@@ -177,7 +177,7 @@ class EngineArgs:
             meta = dict(f.metadata)
             flag = "--" + f.name.replace("_", "-")
             help_ = f"{meta.pop('help')} (default: {f.default})"
-            if hints[f.name] is bool:
+            if _scalar_type(hints[f.name]) is bool:  # bool or bool | None
                 parser.add_argument(flag, dest=f.name, default=f.default, help=help_,
                                     action=argparse.BooleanOptionalAction)
                 continue

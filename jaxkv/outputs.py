@@ -17,13 +17,16 @@ class Logprob:
 @dataclass
 class RequestMetrics:
     """Monotonic seconds (time.monotonic()); None until the event happened.
-    num_generation_tokens: output tokens so far, summed over the n samples."""
+    num_generation_tokens: output tokens so far, summed over the n samples. finished_samples:
+    (index, output tokens, first token time, last token time) of each sample that finished
+    since the request's previous output (per-sample histograms, as vLLM keeps per request)."""
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     last_token_time: float | None
     finished_time: float | None
     num_generation_tokens: int = 0
+    finished_samples: list[tuple[int, int, float | None, float | None]] = field(default_factory=list)
 
 
 @dataclass

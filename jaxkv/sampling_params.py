@@ -38,9 +38,13 @@ def _as_int(name: str, value: object) -> int:
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(name, "must be a number", value)
-    if not math.isfinite(value):
+    try:
+        value = float(value)
+    except OverflowError:
         _fail(name, "must be finite", value)
-    return float(value)
+    if not math.isfinite(value) or abs(value) > 3.4e38:  # float32 on the device
+        _fail(name, "must be finite (within float32)", value)
+    return value
 
 
 def _as_bool(name: str, value: object) -> bool:
@@ -199,7 +203,7 @@ class SamplingParams:
                 _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
             bias = {}
             for k, v in self.logit_bias.items():
-                if isinstance(k, str) and k.strip().isdigit():
+                if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit():
                     k = int(k)
                 if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
                     _fail("logit_bias", "keys must be token ids (ints >= 0)", k)

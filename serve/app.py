@@ -3,11 +3,13 @@ and /metrics. `build_app(ctx, metrics)` wires them to a ServerContext; serve/ser
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import pathlib
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxkv
@@ -15,12 +17,14 @@ from serve.chat import create_chat_completion, render_chat
 from serve.completions import create_completion
 from serve.context import ServerContext
 from serve.errors import APIError, error_body, install_error_handlers
-from serve.openapi import HEALTH_OK, PROMETHEUS, SSE, errors, install_openapi, ok
+from serve.openapi import HEALTH_OK, HTML, PROMETHEUS, SSE, errors, install_openapi, ok
 from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serve.protocol_responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
-                                     ModelCard, ModelList, TokenizeResponse, VersionResponse)
+                                     KVCacheSnapshot, ModelCard, ModelList, TokenizeResponse,
+                                     VersionResponse)
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
+DASHBOARD_HTML = (pathlib.Path(__file__).parent / "static" / "dashboard.html").read_text(encoding="utf-8")
 
 
 class GuardMiddleware:
@@ -124,7 +128,7 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", 400, "prompt")
         if req.messages is not None:
-            ids = render_chat(tok, req)["prompt_token_ids"]
+            ids = render_chat(tok, req, ctx.chat_template)["prompt_token_ids"]
         else:
             try:
                 ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -141,6 +145,20 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
         if bad:
             raise APIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
         return DetokenizeResponse(prompt=eng.get_tokenizer().decode(req.tokens)).model_dump()
+
+    @app.get("/kv_cache/blocks", responses={**ok(KVCacheSnapshot), **errors(503)})
+    async def kv_cache_blocks():
+        """The block pool between two steps: per block its state and ref count, per request
+        holding blocks its block table, and the engine's stats (the live page polls it)."""
+        snap = await asyncio.to_thread(engine().kv_cache_snapshot)
+        if snap is None:
+            raise APIError(f"not ready: {ctx.not_ready_reason()}", 503)
+        return snap
+
+    @app.get("/dashboard", response_class=HTMLResponse, responses={**HTML, **errors()})
+    async def dashboard():
+        """The live page of the cache: the block pool as a grid, updated every second."""
+        return HTMLResponse(DASHBOARD_HTML)
 
     @app.get("/metrics", response_class=Response, responses={**PROMETHEUS, **errors()})
     async def prometheus_metrics():

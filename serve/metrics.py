@@ -142,10 +142,9 @@ class PrometheusStatLogger:
                 self._counted.pop(o.request_id, None)
                 if m.finished_time is not None:
                     self.e2e.observe(m.finished_time - m.arrival_time)
+            for _, n, t_first, t_last in m.finished_samples:  # per sample, as vLLM per request
                 self.req_prompt.observe(len(o.prompt_token_ids))
-                self.req_generation.observe(m.num_generation_tokens)
-                # Mean time per output token after the first, per sample (vLLM: per request).
-                per_sample = m.num_generation_tokens / max(1, len(o.outputs))
-                if (per_sample > 1 and m.first_token_time is not None
-                        and m.last_token_time is not None):
-                    self.tpot.observe((m.last_token_time - m.first_token_time) / (per_sample - 1))
+                self.req_generation.observe(n)
+                # Mean time per output token after the first (0 with a single token).
+                ok = n > 1 and t_first is not None and t_last is not None
+                self.tpot.observe((t_last - t_first) / (n - 1) if ok else 0.0)

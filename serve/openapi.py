@@ -19,12 +19,14 @@ _WHY = {400: "A bad request field (the error names it as `param`)",
         401: "Missing or wrong API key (only when the server runs with --api-key)",
         404: "The model named in the request is not the one this server serves",
         413: "The request body is above 10 MiB",
+        500: "An internal error (a bug: the request failed, the server goes on serving)",
         503: "The engine is warming up (or has stopped)"}
 
 
 def errors(*codes: int) -> dict:
-    """FastAPI `responses=` entries: an ErrorResponse body for each status code (413 always)."""
-    return {c: {"model": ErrorResponse, "description": _WHY[c]} for c in sorted({*codes, 413})}
+    """FastAPI `responses=` entries: an ErrorResponse body for each status code (413 and
+    the catch-all 500 always)."""
+    return {c: {"model": ErrorResponse, "description": _WHY[c]} for c in sorted({*codes, 413, 500})}
 
 
 def ok(model, extra_content: dict | None = None) -> dict:
@@ -39,6 +41,8 @@ def ok(model, extra_content: dict | None = None) -> dict:
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": (
     "with stream: true, Server-Sent Events: `data: {chunk JSON}` lines, then `data: [DONE]`")}}}
 HEALTH_OK = {200: {"description": "Ready (empty body, no content type)", "content": {}}}
+HTML = {200: {"description": "The live page of the KV cache (static HTML and JS, no CDN)",
+              "content": {"text/html": {"schema": {"type": "string"}}}}}
 PROMETHEUS = {200: {"description": "Prometheus text exposition format",
                     "content": {"text/plain": {"schema": {"type": "string"}}}}}
 

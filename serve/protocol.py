@@ -28,8 +28,7 @@ class _Base(BaseModel):
 UNSUPPORTED: dict[str, tuple] = {
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-                     "functions", "function_call", "truncate_prompt_tokens", "allowed_token_ids",
-                     "bad_words", "prompt_logprobs", "cache_salt", "logits_processors",
+                     "functions", "function_call", "truncate_prompt_tokens", "prompt_logprobs", "cache_salt", "logits_processors",
                      "mm_processor_kwargs", "prediction", "audio", "web_search_options",
                      "chat_template", "kv_transfer_params", "vllm_xargs"), (None,)),
     "tools": (None, []),

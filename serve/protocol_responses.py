@@ -184,6 +184,19 @@ class ModelList(OpenAIResponse):
     data: list[ModelCard] = []
 
 
+class KVCacheSnapshot(OpenAIResponse):
+    """GET /kv_cache/blocks (jaxkv.engine.kv_snapshot): states per block (0 null, 1 free,
+    2 cached, 3 in use, 4 shared), ref counts, counts per state, the block tables of the
+    requests holding blocks, and the engine's stats."""
+    block_size: int
+    num_blocks: int
+    states: list[int]
+    ref_cnts: list[int]
+    counts: dict[str, int]
+    requests: list[dict]
+    stats: dict
+
+
 class VersionResponse(OpenAIResponse):
     version: str
 

@@ -46,6 +46,8 @@ def run_server(ns) -> int:
     disable_created_metrics()  # as vLLM: no *_created series
 
     chat_template = load_chat_template(ns.chat_template)  # a bad path fails here, in one line
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        raise ValueError(f"tokenizer {args.tokenizer!r} not found (a tokenizer folder or a .gguf file)")
     ctx = ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
                         chat_template=chat_template,
                         model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),

@@ -15,6 +15,7 @@ def test_flags_map_to_their_fields():
                                     "--tokenizer", "tok-dir", "--chat-template", "{{ x }}"])
     args = EngineArgs.from_cli_args(ns)
     assert (args.trust_remote_code, args.enable_chunked_prefill, args.tokenizer) == (True, True, "tok-dir")
+    assert EngineArgs().enable_chunked_prefill is None  # vLLM's default; None and True both mean on
     assert ns.chat_template == "{{ x }}"
     for cmd in (["generate", "hi"], ["plan"]):
         ns = build_parser().parse_args([*cmd, "--tokenizer", "t", "--trust-remote-code"])
@@ -30,6 +31,9 @@ def test_refused_and_bad_values_fail_in_one_line(capsys, tmp_path):
     assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     err = capsys.readouterr().err.strip()
     assert "missing.jinja" in err and "neither a file nor an inline" in err and "\n" not in err
+    assert main(["serve", "--tokenizer", str(tmp_path / "no-tok")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no-tok" in err and "not found" in err and "\n" not in err
 
 
 def test_chat_template_from_a_file_or_inline(tmp_path):

@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from typing import AsyncIterator
 
+from jaxkv.engine.kv_snapshot import kv_cache_snapshot
 from jaxkv.engine.llm_engine import child_request_id
 from jaxkv.engine.stat_logger import LoggingStatLogger
 from jaxkv.outputs import RequestOutput
@@ -158,6 +159,17 @@ class AsyncLLM:
             request_ids = [request_ids]
         self._post(("abort", list(request_ids)))
 
+    def kv_cache_snapshot(self, timeout: float = 5.0) -> dict | None:
+        """The block pool between two steps (jaxkv.engine.kv_snapshot), taken on the engine
+        thread at its next turn; None if the engine is dead or did not answer in `timeout` s.
+        Blocking: call it from a worker thread in async code."""
+        if self.dead is not None:
+            return None
+        box, done = {}, threading.Event()
+        self._post(("snapshot", box, done))
+        done.wait(timeout)
+        return box.get("snapshot")
+
     def shutdown(self) -> None:
         """Stop the engine thread (after the step in flight) and the engine's background
         compile of token buckets; unfinished streams get EngineDeadError."""
@@ -189,6 +201,10 @@ class AsyncLLM:
                 for cmd in cmds:
                     if cmd[0] == "stop":
                         raise EngineDeadError("the engine was shut down")
+                    if cmd[0] == "snapshot":
+                        cmd[1]["snapshot"] = kv_cache_snapshot(engine)
+                        cmd[2].set()
+                        continue
                     if cmd[0] == "add":
                         _, rid, (text, ids, params) = cmd
                         try:

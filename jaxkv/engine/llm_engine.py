@@ -25,8 +25,13 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     tokens; duplicates dropped."""
     out: list[list[int]] = []
     for word in words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        try:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate
+            raise ValueError(f"bad_words: {word!r} cannot be encoded ({type(e).__name__})"[:300]) from e
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} encodes to no tokens")
         for ids in (plain, spaced):
             if ids and ids not in out and (ids is plain or (ids[0] != plain[0] and len(ids) == len(plain))):
                 out.append(ids)

@@ -25,6 +25,7 @@ class RequestGroup:
     sent_tokens: list[int] = field(default_factory=list)  # per child, for DELTA
     sent_logprobs: list[int] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    finished_reported: set[int] = field(default_factory=set)  # samples in finished_samples
 
     @property
     def finished(self) -> bool:
@@ -129,13 +130,25 @@ class OutputProcessor:
             first_token_time=_min(x.first_token_time for x in t),
             last_token_time=_max(x.last_token_time for x in t),
             finished_time=_max(x.finished_time for x in t) if finished else None,
-            num_generation_tokens=sum(c.num_output_tokens for c in g.children))
+            num_generation_tokens=sum(c.num_output_tokens for c in g.children),
+            finished_samples=self._newly_finished(g))
         if finished:
             del self.groups[g.request_id]
             for c in g.children:
                 self.child_to_group.pop(c.request_id, None)
         return RequestOutput(g.request_id, g.prompt, first.prompt_token_ids, prompt_lp, outs,
                              finished, metrics, max(first.num_cached_tokens, 0))
+
+
+    @staticmethod
+    def _newly_finished(g: RequestGroup) -> list[tuple]:
+        out = []
+        for c in g.children:
+            if c.status.is_finished and c.sample_index not in g.finished_reported:
+                g.finished_reported.add(c.sample_index)
+                out.append((c.sample_index, c.num_output_tokens, c.times.first_token_time,
+                            c.times.last_token_time))
+        return out
 
 
 def _min(xs):

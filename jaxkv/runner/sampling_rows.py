@@ -77,7 +77,7 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
     """Penalty parameters [r], token ids [r, W] (padded with vocab_size, which the sampler's
     scatters drop), bans, logit_bias and allowed_token_ids per row. W holds the step's longest
     prompt or output (drafts included): 512, then x8 (4096, ...), capped at max_model_len; the
-    other widths are powers of two. Each width is a sampler program, so they are few."""
+    other widths are 8, 64, 512, ... Each width is a sampler program, so they are few."""
     v = vocab_size
     rep = np.ones(r, np.float32)
     pres = np.zeros(r, np.float32)
@@ -132,8 +132,12 @@ def bad_word_bans(words: list[list[int]], output_ids: list[int]) -> list[int]:
 
 
 def _padded(lists, fill, dtype) -> np.ndarray:
-    """[len(lists), pow2 >= the longest (at least 8)], each list left-aligned, `fill` after."""
-    a = np.full((len(lists), pow2_at_least(max(map(len, lists), default=0))), fill, dtype)
+    """[len(lists), W], each list left-aligned, `fill` after; W = 8, 64, 512, ... (the first
+    holding the longest): each width is a sampler program compiled on first use, so few."""
+    width = 8
+    while width < max(map(len, lists), default=0):
+        width *= 8
+    a = np.full((len(lists), width), fill, dtype)
     for i, x in enumerate(lists):
         a[i, :len(x)] = x
     return a

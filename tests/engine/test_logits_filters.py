@@ -90,3 +90,15 @@ def test_penalties_and_filters_together_match_numpy(llm):
     scores = {t: lp[t].logprob + bias.get(t, 0.0) for t in allowed}  # log-softmax shift is common
     assert got == max(scores, key=scores.get)
     assert np.isfinite(list(scores.values())).all()
+
+
+def test_bad_words_that_cannot_be_encoded_name_the_field(llm):
+    for words in (["\ud800"], ["\u200b"]):  # a lone surrogate; a word of no tokens (if so)
+        try:
+            llm.generate("hi", SamplingParams(bad_words=words, max_tokens=2), use_tqdm=False)
+        except ValueError as e:
+            assert str(e).startswith("bad_words")
+        else:
+            assert words == ["\u200b"]  # it encodes to tokens: accepted
+    s = llm.stats()
+    assert s.num_running == s.num_waiting == 0

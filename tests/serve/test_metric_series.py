@@ -4,6 +4,8 @@ token and time-per-output-token histograms (vLLM's names and bucket edges)."""
 
 from dataclasses import replace
 
+import pytest
+
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,20 +34,27 @@ def test_spec_decode_counters_and_per_position():
 
 
 def test_request_token_and_tpot_histograms():
+    """Per sample, as vLLM observes per request: n = 2 whose samples finish in different
+    (DELTA) outputs, one of a single token."""
     from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from serve.metrics import build_1_2_5_buckets
 
     assert build_1_2_5_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     lg = PrometheusStatLogger(lambda: IDLE, "m", max_model_len=1024)
-    outs = [CompletionOutput(0, "a", [1] * 11, finish_reason="length"),
-            CompletionOutput(1, "b", [1] * 11, finish_reason="length")]
-    lg.record([RequestOutput("r", None, [5] * 30, None, outs, True,
-                             RequestMetrics(0.0, 0.1, 0.5, 1.5, 1.5, num_generation_tokens=22))])
+    first = RequestOutput("r", None, [5] * 30, None, [CompletionOutput(0, "a", [1] * 11, finish_reason="length")],
+                          False, RequestMetrics(0.0, 0.1, 0.5, 1.5, None, num_generation_tokens=14,
+                                                finished_samples=[(0, 11, 0.5, 1.5)]))
+    last = RequestOutput("r", None, [5] * 30, None, [CompletionOutput(1, "b", [1], finish_reason="stop")],
+                         True, RequestMetrics(0.0, 0.1, 0.5, 1.6, 1.6, num_generation_tokens=12,
+                                              finished_samples=[(1, 1, 0.6, 0.6)]))
+    lg.record([first])
+    lg.record([last])
     text = generate_latest(lg.registry).decode()
     m = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    assert m[("jaxkv:request_prompt_tokens_sum", None)] == 30
+    assert m[("jaxkv:request_prompt_tokens_sum", None)] == 60 and m[("jaxkv:request_prompt_tokens_count", None)] == 2
     assert m[("jaxkv:request_prompt_tokens_bucket", "20.0")] == 0
-    assert m[("jaxkv:request_prompt_tokens_bucket", "50.0")] == 1
-    assert m[("jaxkv:request_generation_tokens_sum", None)] == 22
-    assert m[("jaxkv:request_time_per_output_token_seconds_sum", None)] == 0.1  # 1 s / 10 tokens
-    assert m[("jaxkv:request_time_per_output_token_seconds_count", None)] == 1
+    assert m[("jaxkv:request_prompt_tokens_bucket", "50.0")] == 2
+    assert m[("jaxkv:request_generation_tokens_sum", None)] == 12
+    assert m[("jaxkv:request_generation_tokens_bucket", "1.0")] == 1
+    assert m[("jaxkv:request_time_per_output_token_seconds_sum", None)] == pytest.approx(0.1)  # 1 s / 10, and 0
+    assert m[("jaxkv:request_time_per_output_token_seconds_count", None)] == 2

@@ -30,6 +30,7 @@ CASES = [  # method, path, json body (or raw bytes), headers, the status we expe
     ("post", "/tokenize", {"model": "other", "prompt": "Hi"}, {}, 404),
     ("post", "/detokenize", {"model": MODEL, "tokens": [1, 2]}, {}, 200),
     ("post", "/detokenize", {"model": MODEL, "tokens": [10**9]}, {}, 400),
+    ("get", "/kv_cache/blocks", None, {}, 200), ("get", "/dashboard", None, {}, 200),
 ]
 
 
@@ -62,7 +63,8 @@ def test_every_response_is_documented(server):
 
 
 @pytest.mark.parametrize("method, path, body", [
-    ("get", "/health", None), ("post", "/v1/completions", OK), ("post", "/tokenize", {"prompt": "x"})])
+    ("get", "/health", None), ("post", "/v1/completions", OK), ("post", "/tokenize", {"prompt": "x"}),
+    ("get", "/kv_cache/blocks", None)])
 def test_not_ready_is_a_documented_503(method, path, body):
     from serve.app import build_app
     from serve.context import ServerContext
