@@ -22,7 +22,9 @@ CHROMIUM = next((shutil.which(c) for c in ("chromium", "chromium-browser", "goog
 
 def load(server, n=6, tokens=48):
     """n concurrent completions in background threads; returns the threads."""
-    body = {"model": MODEL, "prompt": "Once upon a time there was", "max_tokens": tokens,
+    story = ("Once upon a time, in a small village between two green hills, there lived an old "
+             "baker who woke before dawn every day to bake bread for everyone. One morning")
+    body = {"model": MODEL, "prompt": story, "max_tokens": tokens,  # 2 full blocks shared
             "ignore_eos": True, "temperature": 0}
     threads = [threading.Thread(target=server.post, args=("/v1/completions", body)) for _ in range(n)]
     for t in threads:
