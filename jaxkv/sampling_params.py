@@ -106,6 +106,9 @@ class SamplingParams:
     """Leave special tokens (e.g. <|im_end|>) out of the output text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text."""
+    spaces_between_special_tokens: bool = True
+    """Join the text around added tokens with spaces when detokenizing (vLLM's; as there, it
+    changes the text only with slow tokenizers: jaxkv's GGUF and fast tokenizers ignore it)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Cumulative, delta or final-only outputs (see RequestOutputKind)."""
     logit_bias: dict[int, float] | None = None
@@ -176,6 +179,8 @@ class SamplingParams:
 
         self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
+        self.spaces_between_special_tokens = _as_bool(
+            "spaces_between_special_tokens", self.spaces_between_special_tokens)
         self.include_stop_str_in_output = _as_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )

@@ -38,7 +38,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "return_tokens_as_token_ids": (None, False),
-    "spaces_between_special_tokens": (None, True),
     "modalities": (None, ["text"]),
 }
 
@@ -69,6 +68,7 @@ class _Sampling(_Base):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's; token id (as a string) -> bias
@@ -87,6 +87,7 @@ class _Sampling(_Base):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             # As vLLM: biases clamped to OpenAI's [-100, 100].
             logit_bias=({k: min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()}

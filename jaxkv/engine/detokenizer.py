@@ -106,6 +106,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
+        self.spaces_between_special_tokens = params.spaces_between_special_tokens
         self.stop: list[str] = list(params.stop or [])
         self.min_tokens = params.min_tokens
         self.include_stop_str_in_output = params.include_stop_str_in_output
@@ -136,7 +137,8 @@ class IncrementalDetokenizer:
         tokens = ids_to_tokens(self.tokenizer, tail, self.skip_special_tokens)
         read_offset = len(tokens)
         prefix_offset = max(read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
-        return WindowDecoder(self.tokenizer, tokens, prefix_offset, read_offset, self.skip_special_tokens)
+        return WindowDecoder(self.tokenizer, tokens, prefix_offset, read_offset, self.skip_special_tokens,
+                             self.spaces_between_special_tokens)
 
     def update(
         self,

@@ -63,14 +63,42 @@ def rust_backend(tokenizer: Any) -> Tokenizer | None:
     return backend
 
 
+def tokens_to_string(tokenizer: Any, tokens: list[str], skip_special_tokens: bool,
+                     spaces_between_special_tokens: bool = True) -> str:
+    """Token strings -> text, as vLLM's detokenizer: a fast tokenizer (or one without added
+    tokens) converts them at once; a slow one converts the runs between its added tokens apart
+    and joins the pieces with a space when spaces_between_special_tokens (vLLM's
+    _convert_tokens_to_string_with_added_encoders). So the flag changes text only with slow
+    tokenizers, as in vLLM."""
+    added = {} if getattr(tokenizer, "is_fast", True) else tokenizer.get_added_vocab()
+    if not added:
+        return tokenizer.convert_tokens_to_string(tokens)
+    special = set(tokenizer.all_special_tokens) if skip_special_tokens else set()
+    pieces, run = [], []
+    for t in tokens:
+        if t in special:
+            continue
+        if t in added:
+            if run:
+                pieces.append(tokenizer.convert_tokens_to_string(run))
+                run = []
+            pieces.append(t)
+        else:
+            run.append(t)
+    if run:
+        pieces.append(tokenizer.convert_tokens_to_string(run))
+    return (" " if spaces_between_special_tokens else "").join(pieces)
+
+
 class WindowDecoder:
     """vLLM's ``detokenize_incrementally`` on token strings: decode ``tokens[prefix_offset:]``,
     emit what lies past the text of ``tokens[prefix_offset:read_offset]``."""
 
     def __init__(self, tokenizer: Any, tokens: list[str], prefix_offset: int, read_offset: int,
-                 skip_special_tokens: bool):
+                 skip_special_tokens: bool, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.tokens = tokens
         self.prefix_offset = prefix_offset
         self.read_offset = read_offset
@@ -78,7 +106,8 @@ class WindowDecoder:
     def step(self, token_id: int) -> str:
         """Append one token; return the text it completes ("" while a character is split)."""
         self.tokens.extend(ids_to_tokens(self.tokenizer, [token_id], self.skip_special_tokens))
-        to_string = self.tokenizer.convert_tokens_to_string
+        to_string = lambda toks: tokens_to_string(  # noqa: E731
+            self.tokenizer, toks, self.skip_special_tokens, self.spaces_between_special_tokens)
         prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
         new_text = to_string(self.tokens[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):

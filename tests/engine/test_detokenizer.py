@@ -222,3 +222,49 @@ def test_find_stop_string_picks_first_to_end():
     assert find_stop_string("abcdef", 1, ["abc"]) is None  # already searched before
     assert find_stop_string("abcdef", 4, ["abc"]) == ("abc", 0)
     assert find_stop_string("abc", 0, ["abc"]) is None
+
+
+class _SlowTokenizer:
+    """A slow (pure-Python) tokenizer with two added tokens, in transformers' interface."""
+    is_fast = False
+    all_special_tokens = ["<s>"]
+    all_special_ids = [0]
+    _vocab = ["<s>", "<tool>", "<end>", "▁hello", "▁world", "x"]
+
+    def get_added_vocab(self):
+        return {"<s>": 0, "<tool>": 1, "<end>": 2}
+
+    def __len__(self):
+        return len(self._vocab)
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+        return [self._vocab[i] for i in ids if not (skip_special_tokens and i in self.all_special_ids)]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens).replace("▁", " ")
+
+
+@pytest.mark.parametrize("spaces, want", [(True, " hello <tool>  world <end> x"),  # vLLM's join
+                                          (False, " hello<tool> world<end>x")])
+def test_spaces_between_special_tokens_with_a_slow_tokenizer(spaces, want):
+    from jaxkv.engine.incremental_decoders import WindowDecoder, tokens_to_string
+    tok = _SlowTokenizer()
+    ids = [3, 1, 4, 2, 5]
+    assert tokens_to_string(tok, tok.convert_ids_to_tokens(ids), False, spaces) == want
+    w = WindowDecoder(tok, [], 0, 0, skip_special_tokens=True, spaces_between_special_tokens=spaces)
+    assert "".join(w.step(i) for i in ids) == want
+
+
+def test_spaces_between_special_tokens_changes_nothing_with_a_fast_tokenizer(smollm2_hf_tokenizer):
+    """As vLLM: the fast path joins nothing (SmolLM2's control tokens with skip off)."""
+    from jaxkv import SamplingParams
+    from jaxkv.engine.detokenizer import IncrementalDetokenizer
+    tok = smollm2_hf_tokenizer
+    ids = tok.encode("Hi<|im_end|><|im_start|>there", add_special_tokens=False)
+    texts = []
+    for spaces in (True, False):
+        d = IncrementalDetokenizer(tok, [1, 2], SamplingParams(skip_special_tokens=False,
+                                                               spaces_between_special_tokens=spaces))
+        d.update(ids, 0)
+        texts.append(d.output_text)
+    assert texts[0] == texts[1] == tok.decode(ids)
