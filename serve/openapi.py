@@ -57,7 +57,12 @@ def install_openapi(app: FastAPI) -> None:
                                  description=__doc__.split("\n\n")[1].replace("\n", " "))
             for ops in schema.get("paths", {}).values():
                 for op in ops.values():
-                    op.get("responses", {}).pop("422", None)
+                    responses = op.get("responses", {})
+                    responses.pop("422", None)
+                    for code, r in responses.items():  # errors are JSON on every route
+                        content = r.get("content", {})
+                        if not code.startswith("2") and "application/json" not in content and content:
+                            r["content"] = {"application/json": next(iter(content.values()))}
             comps = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 comps.pop(name, None)

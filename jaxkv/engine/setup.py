@@ -52,6 +52,8 @@ def build_engine(cls, args):
     platform = jax.default_backend()
     ckpt = load_checkpoint(args.model, args.load_format)
     tokenizer = ckpt.tokenizer if args.tokenizer is None else load_tokenizer(args.tokenizer)
+    if args.tokenizer is not None:
+        logger.info("tokenizer: %s (not the model's own)", args.tokenizer)
     config = args.create_engine_config(platform=platform,
                                        model_config=ModelConfig.from_hf_config(ckpt.config),
                                        device_memory_bytes=device_memory_bytes(platform))

@@ -60,6 +60,10 @@ def test_every_response_is_documented(server):
     for ops in schema["paths"].values():
         for op in ops.values():
             assert "422" not in op["responses"] and "413" in op["responses"]
+            for code, r in op["responses"].items():
+                if not code.startswith("2"):
+                    assert list(r["content"]) == ["application/json"], (code, r)
+
 
 
 @pytest.mark.parametrize("method, path, body", [
