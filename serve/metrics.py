@@ -89,25 +89,24 @@ class PrometheusStatLogger:
         self.model_name = model_name
         self.registry.register(_EngineCollector(stats_fn, model_name))
         labels = ["model_name"]
-        h = dict(labelnames=labels, registry=self.registry)
-        self.ttft = Histogram("jaxkv:time_to_first_token_seconds", "Histogram of time to first "
-                              "token in seconds.", buckets=TTFT_BUCKETS, **h).labels(model_name)
-        self.itl = Histogram("jaxkv:inter_token_latency_seconds", "Histogram of inter-token "
-                             "latency in seconds.", buckets=ITL_BUCKETS, **h).labels(model_name)
-        self.e2e = Histogram("jaxkv:e2e_request_latency_seconds", "Histogram of end to end "
-                             "request latency in seconds.", buckets=REQUEST_LATENCY_BUCKETS,
-                             **h).labels(model_name)
-        self.queue = Histogram("jaxkv:request_queue_time_seconds", "Histogram of time spent "
-                               "waiting before the first step of a request, in seconds.",
-                               buckets=REQUEST_LATENCY_BUCKETS, **h).labels(model_name)
+
+        def hist(name: str, doc: str, buckets):
+            return Histogram(f"jaxkv:{name}", doc, buckets=buckets, labelnames=labels,
+                             registry=self.registry).labels(model_name)
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in "
+                         "seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in "
+                        "seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of end to end request latency "
+                        "in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Histogram of time spent waiting before "
+                          "the first step of a request, in seconds.", REQUEST_LATENCY_BUCKETS)
         tokens = build_1_2_5_buckets(max_model_len)
-        self.req_prompt = Histogram("jaxkv:request_prompt_tokens", "Number of prefill tokens "
-                                    "processed.", buckets=tokens, **h).labels(model_name)
-        self.req_generation = Histogram("jaxkv:request_generation_tokens", "Number of generation "
-                                        "tokens processed.", buckets=tokens, **h).labels(model_name)
-        self.tpot = Histogram("jaxkv:request_time_per_output_token_seconds", "Histogram of "
-                              "time_per_output_token_seconds per request.", buckets=TPOT_BUCKETS,
-                              **h).labels(model_name)
+        self.req_prompt = hist("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.req_generation = hist("request_generation_tokens", "Number of generation tokens "
+                                   "processed.", tokens)
+        self.tpot = hist("request_time_per_output_token_seconds", "Histogram of "
+                         "time_per_output_token_seconds per request.", TPOT_BUCKETS)
         self.success = Counter("jaxkv:request_success", "Count of finished requests, by "
                                "finish reason.", labelnames=["model_name", "finished_reason"],
                                registry=self.registry)

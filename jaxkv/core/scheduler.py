@@ -125,8 +125,8 @@ class Scheduler:
 
         # Drafts last: they take only the budget that every request's own tokens left over.
         drafts = {}
-        if self.proposer and budget > 0 and len(self.running) < (
-                self.proposer.disable_by_batch_size or len(self.running) + 1):
+        limit = self.proposer.disable_by_batch_size if self.proposer else None
+        if self.proposer and budget > 0 and (limit is None or len(self.running) < limit):
             drafts = self._propose_drafts(chosen, budget)
         scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
         return SchedulerOutput(scheduled, preempted)

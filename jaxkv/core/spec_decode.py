@@ -96,8 +96,9 @@ class NgramProposer:
     def propose(self, token_ids, k: int | None = None) -> list[int]:
         """Drafts for the sequence `token_ids` (prompt + output so far): the tokens after an
         earlier occurrence of its longest suffix n-gram (n_max >= n >= n_min; the latest one
-        followed by k tokens, else the earliest), at most k (default: num_speculative_tokens). Vectorized over positions: one comparison per
-        n-gram length, no Python loop over the history."""
+        followed by k tokens, else the earliest), at most k (default: num_speculative_tokens).
+        No Python loop over the history: one comparison finds the last token's occurrences,
+        then each longer n-gram filters those candidates."""
         k = self.k if k is None else k
         toks = np.asarray(token_ids, dtype=np.int64)
         length = len(toks)
@@ -120,18 +121,6 @@ class NgramProposer:
         full = best[best + 1 + k <= length]
         start = int(full[-1] if len(full) else best[0]) + 1
         return toks[start:start + k].tolist()
-        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
-            suffix = toks[length - n:]
-            # Windows starting at 0 .. length - n - 1: every occurrence but the suffix itself.
-            windows = np.lib.stride_tricks.sliding_window_view(toks[:length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(hits):
-                # The latest occurrence with k tokens after it; else the earliest (in a
-                # repeating run the latest overlaps the suffix and has few tokens after it).
-                full = hits[hits + n + k <= length]
-                start = int(full[-1] if len(full) else hits[0]) + n
-                return toks[start:start + k].tolist()
-        return []
 
 
 @dataclass

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxkv.runner import sampler as smp
-from jaxkv.runner.buckets import pow2_at_least
 
 PENALTY_MIN_WIDTH = 512  # narrowest padded token-id width of the penalty arrays
 
@@ -85,10 +84,7 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
     longest = max((max(len(sp_.sched.prompt_token_ids),
                        len(sp_.sched.output_token_ids) + sp_.count - 1)
                    for sp_ in spans if sp_.sched.prompt_token_ids is not None), default=0)
-    width = PENALTY_MIN_WIDTH
-    while width < longest:
-        width *= 8
-    width = min(max_model_len, width)
+    width = min(max_model_len, _width(longest, PENALTY_MIN_WIDTH))
     prompt = np.full((r, width), v, np.int32)
     output = np.full((r, width), v, np.int32)
     bans = [[] for _ in range(r)]
@@ -134,13 +130,18 @@ def bad_word_bans(words: list[list[int]], output_ids: list[int]) -> list[int]:
 def _padded(lists, fill, dtype) -> np.ndarray:
     """[len(lists), W], each list left-aligned, `fill` after; W = 8, 64, 512, ... (the first
     holding the longest): each width is a sampler program compiled on first use, so few."""
-    width = 8
-    while width < max(map(len, lists), default=0):
-        width *= 8
-    a = np.full((len(lists), width), fill, dtype)
+    a = np.full((len(lists), _width(max(map(len, lists), default=0), 8)), fill, dtype)
     for i, x in enumerate(lists):
         a[i, :len(x)] = x
     return a
+
+
+def _width(n: int, smallest: int) -> int:
+    """The first of smallest, smallest * 8, smallest * 64, ... holding n."""
+    width = smallest
+    while width < n:
+        width *= 8
+    return width
 
 
 def needs_penalties(s) -> bool:
