@@ -91,13 +91,14 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     row["matmuls_ms"] = median_ms(lambda: mm(p, h), reps)
     flops = 2 * t * linear_params(c)
 
-    attn, (kc, vc) = runner.model.attention, runner.kv_cache
+    attn, pool = runner.model.attention, runner.kv_cache
+    kc, vc = pool.k, pool.v
     q = jnp.asarray(rng.standard_normal((t, c.num_heads, c.head_dim)), jnp.float32)
     prep = jax.jit(lambda step: attn.prepare(step, runner.block_size))
     shared = prep(si)
-    one = jax.jit(lambda q, kc, vc, step, shared: attn.attend(q, kc, vc, step, shared, layer=0,
-                                                              scale=c.head_dim ** -0.5))
-    row["attention_ms_per_layer"] = median_ms(lambda: one(q, kc, vc, si, shared), reps)
+    one = jax.jit(lambda q, pool, step, shared: attn.attend(q, pool, step, shared, layer=0,
+                                                            scale=c.head_dim ** -0.5))
+    row["attention_ms_per_layer"] = median_ms(lambda: one(q, pool, si, shared), reps)
     row["attention_prepare_ms"] = median_ms(lambda: prep(si), reps)
     row["attention_ms"] = row["attention_ms_per_layer"] * c.num_layers + row["attention_prepare_ms"]
     # The floor of any attention that gathers the context before computing on it (XLA cannot
@@ -107,11 +108,11 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     gather = jax.jit(lambda kc, vc, b: (kc[0, b], vc[0, b]))
     row["attention_gather_ms_per_layer"] = median_ms(lambda: gather(kc, vc, tables), reps)
     kv = jnp.asarray(rng.standard_normal((t, c.num_kv_heads, c.head_dim)), jnp.float32)
-    write = jax.jit(lambda kc, vc, k, v, s: write_kv(kc, vc, k, v, s, 0), donate_argnums=(0, 1))
-    state = {"kv": (kc, vc)}
+    write = jax.jit(lambda pool, k, v, s: write_kv(pool, k, v, s, 0), donate_argnums=(0,))
+    state = {"kv": pool}
 
     def write_once():
-        state["kv"] = write(*state["kv"], kv, kv, si.slot_mapping)
+        state["kv"] = write(state["kv"], kv, kv, si.slot_mapping)
         return state["kv"]
     row["kv_write_ms"] = median_ms(write_once, reps) * c.num_layers
     runner.kv_cache = state["kv"]

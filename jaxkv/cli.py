@@ -67,11 +67,14 @@ def cmd_plan(ns) -> int:
         print(json.dumps({"bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
                           "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4)}))
     else:
-        from jaxkv.engine_config import DTYPE_BYTES
+        from jaxkv.engine_config import DTYPE_BYTES, KV_SCALE_BYTES
         print(f"model: {ns.model or 'SmolLM2-135M-Instruct (embedded)'} ({mc.num_layers} layers, "
               f"{mc.num_kv_heads} KV heads x {mc.head_dim}, {dtype} on {platform})")
+        per_head = f"{mc.head_dim} x {DTYPE_BYTES[kv_dtype]}"
+        if kv_dtype in KV_SCALE_BYTES:  # one scale per token and KV head
+            per_head = f"({per_head} + {KV_SCALE_BYTES[kv_dtype]} scale)"
         print(f"bytes per token: {b.bytes_per_token:,}  (2 x {mc.num_layers} x {mc.num_kv_heads} x "
-              f"{mc.head_dim} x {DTYPE_BYTES[kv_dtype]}: KV cache {kv_dtype})")
+              f"{per_head}: KV cache {kv_dtype})")
         print(f"blocks: {b.num_blocks:,} of {b.block_size} tokens = {b.num_tokens:,} tokens")
         print(f"max concurrency at {config.max_model_len:,} tokens per request: {b.max_concurrency:.2f}")
     return 0

@@ -20,7 +20,7 @@ from jaxkv.core.spec_decode import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM; float8 pools
 # are stored unscaled, as vLLM's fp8 KV cache without calibrated scales).
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
@@ -66,8 +66,9 @@ class EngineArgs:
     dtype: str = _arg("auto", "weights and KV dtype; auto = bfloat16 on a GPU, float32 elsewhere",
                       choices=DTYPES)
     kv_cache_dtype: str = _arg("auto", "dtype of the KV pool: auto = the model's dtype; bfloat16 "
-                               "or float16 hold 2x the tokens of float32, fp8 (= fp8_e4m3) and "
-                               "fp8_e5m2 4x (unscaled, as vLLM's fp8 without calibration)",
+                               "or float16 hold 2x the tokens of float32; int8, fp8 (= fp8_e4m3) "
+                               "and fp8_e5m2 3.9x (one byte per value plus a bfloat16 scale per "
+                               "token and KV head)",
                                choices=KV_CACHE_DTYPES)
     block_size: int = _arg(16, "tokens per KV block (a power of two)")
     max_model_len: int | None = _arg(None, "prompt + output tokens of one request; default: the "

@@ -19,8 +19,12 @@ from jaxkv.models.model_config import ModelConfig
 
 CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
 GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's usual default for online serving
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1,
+               "float8_e5m2": 1}
 KV_CACHE_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# Quantized pool dtypes -> bytes of the scale stored per token and KV head (a bfloat16; see
+# jaxkv/attention/kv_pool.py).
+KV_SCALE_BYTES = {"int8": 2, "float8_e4m3fn": 2, "float8_e5m2": 2}
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ def resolve_token_buckets(token_buckets, warmup_token_buckets, max_num_batched_t
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
     """vLLM's --kv-cache-dtype -> the pool's jnp dtype name: auto = the weights' `dtype`;
-    fp8 / fp8_e4m3 -> float8_e4m3fn, fp8_e5m2 -> float8_e5m2. A pool never wider than the
+    fp8 / fp8_e4m3 -> float8_e4m3fn, fp8_e5m2 -> float8_e5m2, int8 stays. A pool never wider than the
     weights (bfloat16 weights keep a bfloat16 pool for "auto")."""
     if kv_cache_dtype == "auto":
         return dtype
@@ -183,7 +187,8 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     kv_bytes = None if args.kv_cache_memory_bytes is None else parse_bytes(args.kv_cache_memory_bytes)
     budget = plan_kv_cache(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-        dtype_bytes=DTYPE_BYTES[kv_dtype], block_size=args.block_size, max_model_len=max_model_len,
+        dtype_bytes=DTYPE_BYTES[kv_dtype], scale_bytes=KV_SCALE_BYTES.get(kv_dtype, 0),
+        block_size=args.block_size, max_model_len=max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory_bytes,
         used_memory_bytes=mc.num_params() * DTYPE_BYTES[dtype])

@@ -31,15 +31,22 @@ def dot(a, b, *, trans_b: bool = False):
 
 
 def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, chunk_lo,
-                  chunk_hi, scale: float, block_k: int, block_size: int):
+                  chunk_hi, scale: float, block_k: int, block_size: int, ks_ref=None,
+                  vs_ref=None):
     """Online softmax of query rows over key chunks [chunk_lo, chunk_hi) of one sequence.
 
-    q: [M, head_dim] in the pool's dtype (M a power of two >= 16).
+    q: [M, head_dim] float32 / bfloat16 / float16 (M a power of two >= 16); each loaded K/V
+      block is cast to its dtype.
     k_ref, v_ref: refs [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; only
       k_ref[layer, block, offset, kv_head, :] rows are read (no layer is copied out).
     bt_ref: ref int32 [rows, max_blocks]; row `seq` maps logical to physical blocks.
     layer, seq, kv_head: int32 scalars. pos: int32 [M], row m sees key positions <= pos[m]
       (causal) and < kv_len (int32 scalar).
+    ks_ref, vs_ref: refs [num_layers, num_blocks, block_size, num_kv_heads] of per-token,
+      per-KV-head scales for a quantized pool (int8 / float8: key = stored x scale), or None.
+      They are folded into the scores (s x k_scale per key) and into the probabilities
+      (p x v_scale per key) rather than into the loaded blocks: a multiply per key, not per
+      element, and the dots keep their operand types.
     Returns (m, l, acc): float32 [M] running max, [M] softmax denominator, [M, head_dim]
     unnormalised output; l == 0 where a row saw no key.
     """
@@ -52,17 +59,20 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
         kpos = c * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # [block_k]
         blk = bt_ref[seq, jnp.minimum(kpos // block_size, max_blocks - 1)]     # [block_k]
         off = kpos % block_size
-        # Cast to q's dtype (a no-op unless the pool is narrower, e.g. float8).
+        # Cast to q's dtype (a no-op unless the pool is narrower: bfloat16, int8, float8).
         k = k_ref[layer, blk, off, kv_head, :].astype(q.dtype)                  # [block_k, D]
         v = v_ref[layer, blk, off, kv_head, :].astype(q.dtype)                  # [block_k, D]
         s = dot(q, k, trans_b=True) * scale                                     # [M, block_k]
+        if ks_ref is not None:
+            s = s * ks_ref[layer, blk, off, kv_head].astype(jnp.float32)[None, :]
         mask = kpos[None, :] <= limit
         s = jnp.where(mask, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
-        acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v)                  # [M, D]
+        pv = p if vs_ref is None else p * vs_ref[layer, blk, off, kv_head].astype(jnp.float32)[None, :]
+        acc = alpha[:, None] * acc + dot(pv.astype(v.dtype), v)                 # [M, D]
         return m_new, l, acc
 
     init = (jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),

@@ -34,13 +34,16 @@ from pallas_kernels.kv_loop import attend_chunks, normalise
 DEFAULT_BLOCK_K = 64
 
 
-def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, scale,
-                   block_k, block_size, num_splits):
+def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale,
+                   block_k, block_size, num_splits, scaled):
     # layer_ref: int32 [1]; seq_lens_ref: int32 [S]; bt_ref: int32 [S, max_blocks]
     # q_ref: [S, KVH, Gp, D]; k_ref, v_ref: [L, NB, block_size, KVH, D]
+    # scaled: refs start with ks_ref, vs_ref [L, NB, block_size, KVH] (a quantized pool)
     # out_refs, num_splits == 1: (o_ref [S, KVH, Gp, D],)
     #           num_splits > 1: (m_ref f32 [P, S, KVH, Gp], l_ref f32 [P, S, KVH, Gp],
     #                            acc_ref f32 [P, S, KVH, Gp, D])
+    ks_ref, vs_ref = refs[:2] if scaled else (None, None)
+    out_refs = refs[2:] if scaled else refs
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[s]
     n = (seq_len + block_k - 1) // block_k
@@ -51,7 +54,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_re
     pos = jnp.full((q.shape[0],), seq_len - 1, jnp.int32)
     m, l, acc = attend_chunks(q, k_ref, v_ref, bt_ref, layer=layer_ref[0], seq=s, kv_head=h,
                               pos=pos, kv_len=seq_len, chunk_lo=lo, chunk_hi=hi, scale=scale,
-                              block_k=block_k, block_size=block_size)
+                              block_k=block_k, block_size=block_size, ks_ref=ks_ref,
+                              vs_ref=vs_ref)
     if num_splits == 1:
         (o_ref,) = out_refs
         o_ref[s, h] = normalise(l, acc).astype(o_ref.dtype)
@@ -64,8 +68,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_re
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, *, scale, block_k,
-                     num_splits, num_warps, num_stages, interpret):
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales, *, scale,
+                     block_k, num_splits, num_warps, num_stages, interpret):
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -81,12 +85,13 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, *, scal
         out_shape = [jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct((*part, head_dim), jnp.float32)]
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, block_size=block_size,
-                               num_splits=num_splits)
+                               num_splits=num_splits, scaled=scales is not None)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(num_seqs, num_kv_heads, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="paged_attention_decode",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens, block_tables, qp, k_cache, v_cache)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens, block_tables, qp, k_cache, v_cache,
+      *(scales or ()))
     if num_splits == 1:
         out = outs[0]
     else:  # merge the splits' softmax states (m, l, acc)
@@ -99,22 +104,24 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, *, scal
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, layer=None,
-                    block_k: int = DEFAULT_BLOCK_K, num_splits: int = 1, num_warps: int = 4,
+                    k_scale=None, v_scale=None, block_k: int = DEFAULT_BLOCK_K, num_splits: int = 1, num_warps: int = 4,
                     num_stages: int = 2, interpret: bool = False):
     """Decode attention: one query token per sequence over its paged context.
 
     Args:
       q: [num_seqs, num_q_heads, head_dim], float32 / bfloat16 / float16: the query of each
         sequence's last (current) token.
-      k_cache, v_cache: q's dtype, [num_blocks, block_size, num_kv_heads, head_dim], or stacked
-        [num_layers, num_blocks, block_size, num_kv_heads, head_dim] with `layer`; they already
-        hold the current token's K/V.
+      k_cache, v_cache: q's dtype or a narrower one (validation.KV_DTYPES), [num_blocks,
+        block_size, num_kv_heads, head_dim], or stacked [num_layers, num_blocks, block_size,
+        num_kv_heads, head_dim] with `layer`; they already hold the current token's K/V.
       block_tables: int32 [num_seqs, max_blocks_per_seq]: logical -> physical block.
       seq_lens: int32 [num_seqs]: context length including the current token; 0 marks a padding
         row, whose output is zeros.
       scale: softmax scale (static Python number, usually head_dim ** -0.5).
       layer: Python int or int32 scalar choosing the layer of a stacked pool (read by ref
         indexing inside the kernel: no layer is copied out); None for a 4-D pool.
+      k_scale, v_scale: for an int8 / float8 pool, float [*pool.shape[:-1]] (one scale per
+        token and KV head: key = k_cache x k_scale), else None.
       block_k: keys per inner step (power of two >= 16). num_splits: programs per (sequence,
         KV head) along the context (split-K for few, long sequences). num_warps, num_stages:
         Triton launch knobs. interpret: run the kernel in Pallas interpret mode (CPU).
@@ -125,6 +132,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
       lowering's rules: head_dim and block_k powers of two >= 16).
     """
     num_kv_heads, _, _, _ = val.check_pool(q, k_cache, v_cache, layer)
+    scales = val.check_scales(k_cache, k_scale, v_scale)
     rows = val.check_tables(block_tables, seq_lens)
     if q.shape[0] != rows:
         raise ValueError(f"q must have one row per sequence ({rows} block_tables rows), got "
@@ -135,6 +143,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
     scale = val.check_scale(scale)
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        scales = scales and tuple(x[None] for x in scales)
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, jnp.asarray(layer),
-                            scale=scale, block_k=block_k, num_splits=num_splits,
+                            scales, scale=scale, block_k=block_k, num_splits=num_splits,
                             num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret))

@@ -76,10 +76,12 @@ def tile_map(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: i
                       jnp.where(real, kv_len, zero)], axis=1).astype(jnp.int32)
 
 
-def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, group,
-                   block_m, block_k, block_size):
+def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale, group,
+                   block_m, block_k, block_size, scaled):
     # layer_ref: int32 [1]; tiles_ref: int32 [num_tiles, 5]; bt_ref: int32 [max_seqs, max_blocks]
     # q_ref, o_ref: [T, H, D]; k_ref, v_ref: [L, NB, block_size, KVH, D]
+    # refs: (ks_ref, vs_ref [L, NB, block_size, KVH], o_ref) when scaled, else (o_ref,)
+    ks_ref, vs_ref, o_ref = refs if scaled else (None, None, *refs)
     i, h = pl.program_id(0), pl.program_id(1)
     seq, q0, q_end = tiles_ref[i, 0], tiles_ref[i, 1], tiles_ref[i, 2]
     pos_off, kv_len = tiles_ref[i, 3], tiles_ref[i, 4]
@@ -93,7 +95,8 @@ def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, 
     m, l, acc = attend_chunks(q, k_ref, v_ref, bt_ref, layer=layer_ref[0], seq=seq, kv_head=h,
                               pos=tok + pos_off, kv_len=kv_len, chunk_lo=0,
                               chunk_hi=(kv_len + block_k - 1) // block_k, scale=scale,
-                              block_k=block_k, block_size=block_size)
+                              block_k=block_k, block_size=block_size, ks_ref=ks_ref,
+                              vs_ref=vs_ref)
     out = normalise(l, acc).astype(o_ref.dtype)                     # [block_m, D]
     # Masked scatter of the valid rows. The indices are the unclamped (tok, head): distinct for
     # all block_m rows, so interpret mode (which writes masked rows back unchanged, dropping
@@ -105,34 +108,37 @@ def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_m", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, layer, *,
-            scale, block_m, block_k, num_warps, num_stages, interpret):
+def _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, layer,
+            scales, *, scale, block_m, block_k, num_warps, num_stages, interpret):
     num_tokens, num_heads, _ = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     tiles = tile_map(query_start_loc, seq_lens, num_seqs, num_tokens=num_tokens,
                      block_q=block_m // group)
     kernel = functools.partial(_ragged_kernel, scale=scale, group=group, block_m=block_m,
-                               block_k=block_k, block_size=block_size)
+                               block_k=block_k, block_size=block_size, scaled=scales is not None)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(tiles.shape[0], num_kv_heads),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="ragged_paged_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), tiles, block_tables, q, k_cache, v_cache)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), tiles, block_tables, q, k_cache, v_cache,
+      *(scales or ()))
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                           *, scale: float, layer=None, block_m: int = DEFAULT_BLOCK_M,
+                           *, scale: float, layer=None, k_scale=None, v_scale=None,
+                           block_m: int = DEFAULT_BLOCK_M,
                            block_k: int = DEFAULT_BLOCK_K, num_warps: int = 4,
                            num_stages: int = 2, interpret: bool = False):
     """Ragged paged attention (prefill chunks and decodes together) over a block-paged pool.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim], float32 / bfloat16 / float16.
-      k_cache, v_cache: q's dtype, [num_blocks, block_size, num_kv_heads, head_dim], or stacked
-        [num_layers, num_blocks, block_size, num_kv_heads, head_dim] with `layer`. They already
-        hold this step's K/V (jaxkv.attention.write_kv runs first).
+      k_cache, v_cache: q's dtype or a narrower one (validation.KV_DTYPES), [num_blocks,
+        block_size, num_kv_heads, head_dim], or stacked [num_layers, num_blocks, block_size,
+        num_kv_heads, head_dim] with `layer`. They already hold this step's K/V
+        (jaxkv.attention.write_kv runs first).
       block_tables: int32 [max_num_seqs, max_blocks]: row s maps sequence s's logical blocks to
         physical ones.
       seq_lens: int32 [max_num_seqs]: context length including this step's tokens.
@@ -141,6 +147,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       scale: softmax scale (static Python number, usually head_dim ** -0.5).
       layer: Python int or int32 scalar choosing the layer of a stacked pool (read by ref
         indexing: no layer is copied out); None for a 4-D pool.
+      k_scale, v_scale: for an int8 / float8 pool, float [*pool.shape[:-1]] (one scale per
+        token and KV head: key = k_cache x k_scale), else None.
       block_m: query rows (token x group head) per program, a power of two >= 16 and >= the
         group size. block_k: keys per inner step, a power of two >= 16. num_warps, num_stages:
         Triton launch knobs. interpret: run in Pallas interpret mode (CPU).
@@ -151,6 +159,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       lowering's rules).
     """
     _, group, _, _ = val.check_pool(q, k_cache, v_cache, layer)
+    scales = val.check_scales(k_cache, k_scale, v_scale)
     rows = val.check_tables(block_tables, seq_lens)
     val.check_int_array("query_start_loc", query_start_loc, 1)
     if query_start_loc.shape[0] != rows + 1:
@@ -167,6 +176,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     scale = val.check_scale(scale)
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        scales = scales and tuple(x[None] for x in scales)
     return _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                   jnp.asarray(layer), scale=scale, block_m=block_m, block_k=block_k,
+                   jnp.asarray(layer), scales, scale=scale, block_m=block_m, block_k=block_k,
                    num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret))

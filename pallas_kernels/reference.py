@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                     num_seqs, *, scale: float, layer=None):
+                                     num_seqs, *, scale: float, layer=None, k_scale=None,
+                                     v_scale=None):
     """Ragged paged attention over a block-paged KV pool (dense gather, float32 softmax).
 
     Args:
@@ -32,10 +33,15 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
       query_start_loc: int32 [max_num_seqs + 1], non-decreasing; padding rows repeat the end.
       num_seqs: int32 [1]: how many rows of the per-sequence arrays are real.
       scale: softmax scale (usually head_dim ** -0.5).
+      k_scale, v_scale: for a quantized (int8 / float8) pool, float [*k_cache.shape[:-1]]: the
+        stored value times its token's and KV head's scale is the key (value); None otherwise.
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
     """
+    if k_scale is not None:  # dequantize the whole pool: obviously right, not fast
+        k_cache = k_cache.astype(jnp.float32) * k_scale.astype(jnp.float32)[..., None]
+        v_cache = v_cache.astype(jnp.float32) * v_scale.astype(jnp.float32)[..., None]
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
     num_tokens, num_heads, head_dim = q.shape

@@ -7,7 +7,7 @@ Triton lowering rejects:
     (the tuning knobs block_m / block_k, the padded query group, head_dim);
   * every operand of a dot has each dimension >= 16 (tensor-core tile minimum);
   * operands of a dot share one element type (each loaded K/V block is cast to q's dtype; the
-    pool itself may be narrower: bfloat16, float16 or float8).
+    pool itself may be narrower: bfloat16, float16, int8 or float8, the last two with scales).
 The kernels themselves use no TPU-only API (no pltpu, no PrefetchScalarGridSpec), read block
 tables and the layer index by ref indexing, and accumulate in float32.
 """
@@ -20,7 +20,10 @@ import jax.numpy as jnp
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # KV pool dtypes (a narrower pool holds more tokens; blocks are cast to q's dtype when loaded).
-KV_DTYPES = FLOAT_DTYPES + (jnp.float8_e4m3fn, jnp.float8_e5m2)
+# The one-byte ones are quantized: int8 needs per-token, per-KV-head scales (k_scale, v_scale);
+# float8 takes them too, or is read unscaled.
+SCALED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+KV_DTYPES = FLOAT_DTYPES + SCALED_DTYPES
 MIN_DOT_DIM = 16
 
 
@@ -107,6 +110,28 @@ def check_pool(q, k_cache, v_cache, layer) -> tuple[int, int, int, int]:
         raise ValueError(f"q's num_q_heads {num_q_heads} must be a multiple of num_kv_heads "
                          f"{num_kv_heads}")
     return num_kv_heads, num_q_heads // num_kv_heads, head_dim, block_size
+
+
+def check_scales(k_cache, k_scale, v_scale):
+    """The scales of a quantized pool: (k_scale, v_scale), each float [*k_cache.shape[:-1]]
+    (one per token slot and KV head), or None for an unscaled pool. Both or neither; an int8
+    pool requires them, a 16/32-bit pool refuses them."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    dtype = jnp.dtype(k_cache.dtype)
+    if k_scale is None:
+        if dtype == jnp.int8:
+            raise ValueError("an int8 pool needs k_scale and v_scale")
+        return None
+    if dtype not in [jnp.dtype(d) for d in SCALED_DTYPES]:
+        raise ValueError(f"k_scale and v_scale go with an int8 or float8 pool, not {dtype.name}")
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if getattr(x, "shape", None) != k_cache.shape[:-1] or jnp.dtype(x.dtype) not in [
+                jnp.dtype(d) for d in FLOAT_DTYPES]:
+            raise ValueError(f"{name} must be float {k_cache.shape[:-1]} (the pool's shape "
+                             f"without head_dim), got {getattr(x, 'dtype', None)} of shape "
+                             f"{getattr(x, 'shape', None)}")
+    return k_scale, v_scale
 
 
 def check_tables(block_tables, seq_lens) -> int:

@@ -1,4 +1,5 @@
-"""Attention for the model: the slot-mapping K/V write, and the backend chosen once per engine.
+"""Attention for the model: the backend chosen once per engine (the pool and its slot-mapping
+K/V write are in kv_pool.py).
 
 `get_attention(backend)` returns an `Attention` record built at engine build and held by the
 model (no backend string travels through the layers):
@@ -24,6 +25,7 @@ from pallas_kernels.ragged_paged_attention import DEFAULT_BLOCK_M
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_kernel
 from pallas_kernels.validation import next_pow2
 
+from jaxkv.attention.kv_pool import KVPool, is_rotated, new_kv_pool, rotate, write_kv  # noqa: F401
 from jaxkv.attention.xla_ragged import ragged_metadata, xla_ragged_paged_attention
 from jaxkv.step_input import StepInput
 
@@ -33,37 +35,12 @@ def pallas_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, layer):
-    """Write this step's K/V into the stacked pool at their slots.
-
-    k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim];
-    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: int32 [num_tokens],
-    slot = block_id * block_size + offset (padding rows point into the null block 0);
-    layer: int32 scalar. The pool may be narrower than k and v (kv_cache_dtype: bfloat16,
-    float16, float8): values are cast to it (`to_pool_dtype`). Returns the updated (k_cache,
-    v_cache): an in-place scatter when the pool is donated.
-    """
-    block_size = k_cache.shape[2]
-    blk, off = slot_mapping // block_size, slot_mapping % block_size
-    k_cache = k_cache.at[layer, blk, off].set(to_pool_dtype(k, k_cache.dtype))
-    v_cache = v_cache.at[layer, blk, off].set(to_pool_dtype(v, v_cache.dtype))
-    return k_cache, v_cache
-
-
-def to_pool_dtype(x, dtype):
-    """x cast to the pool's dtype; a float8 pool saturates at its largest finite value (a
-    plain cast would turn a value beyond it into NaN: float8_e4m3fn has no infinity)."""
-    if jnp.dtype(dtype).itemsize == 1:
-        big = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x, -big, big)
-    return x.astype(dtype)
-
-
 def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                     scale: float, layer=None, decode_only: bool = False):
+                     scale: float, layer=None, k_scale=None, v_scale=None,
+                     decode_only: bool = False):
     """The Pallas kernels behind the oracle's signature (q float32/bfloat16 [num_tokens,
     num_q_heads, head_dim] -> the same shape and dtype; pools stacked with `layer`, or one
-    layer's; int32 tables as in pallas_kernels.reference). The ragged kernel, or, when the
+    layer's, with their scales when quantized; int32 tables as in pallas_kernels.reference). The ragged kernel, or, when the
     caller promises (static `decode_only`) that every real sequence has exactly one query row,
     so that row s is sequence s, the decode kernel. Rows past the last real sequence are zeros
     either way. Raises ValueError (pallas_kernels.validation) for shapes the kernels refuse."""
@@ -71,20 +48,20 @@ def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     if not decode_only:
         group = q.shape[1] // k_cache.shape[-2]  # a tile holds at least one token's group
         return ragged_kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                             num_seqs, scale=scale, layer=layer, interpret=interpret,
-                             block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
+                             num_seqs, scale=scale, layer=layer, k_scale=k_scale,
+                             v_scale=v_scale, interpret=interpret, block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
     rows = min(q.shape[0], block_tables.shape[0])
     lens = jnp.where(jnp.arange(rows) < num_seqs[0], seq_lens[:rows], 0)  # padding rows -> 0
-    out = decode_kernel(q[:rows], k_cache, v_cache, block_tables[:rows], lens,
-                        scale=scale, layer=layer, interpret=interpret)
+    out = decode_kernel(q[:rows], k_cache, v_cache, block_tables[:rows], lens, scale=scale,
+                        layer=layer, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
     return jnp.pad(out, ((0, q.shape[0] - rows), (0, 0), (0, 0)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """An attention backend. `prepare(step, block_size)` runs once per step (inside the jitted
-    step) and returns what every layer shares; `attend(q, k_cache, v_cache, step, shared, *,
-    layer, scale)` -> [num_tokens, num_q_heads, head_dim] for stacked pools and a layer index.
+    step) and returns what every layer shares; `attend(q, pool, step, shared, *, layer,
+    scale)` -> [num_tokens, num_q_heads, head_dim] for a KVPool and a layer index.
     `uses_decode_only`: whether the runner should mark decode-only steps (each such step shape
     is then a program of its own)."""
     name: str
@@ -98,15 +75,17 @@ def _xla_prepare(step: StepInput, block_size: int):
                            step.query_start_loc, step.num_seqs)
 
 
-def _xla_attend(q, k_cache, v_cache, step: StepInput, shared, *, layer, scale):
-    return xla_ragged_paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+def _xla_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
+    return xla_ragged_paged_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
                                       step.query_start_loc, step.num_seqs, scale=scale,
-                                      layer=layer, metadata=shared)
+                                      layer=layer, k_scale=pool.k_scale, v_scale=pool.v_scale,
+                                      metadata=shared)
 
 
-def _pallas_attend(q, k_cache, v_cache, step: StepInput, shared, *, layer, scale):
-    return pallas_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
+    return pallas_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
                             step.query_start_loc, step.num_seqs, scale=scale, layer=layer,
+                            k_scale=pool.k_scale, v_scale=pool.v_scale,
                             decode_only=step.decode_only)
 
 
@@ -115,6 +94,21 @@ _BACKENDS = {
     "pallas": Attention("pallas", lambda step, block_size: None, _pallas_attend,
                         uses_decode_only=True),
 }
+
+
+def write_and_attend(attention: Attention, q, k, v, pool: KVPool, step: StepInput, shared, *,
+                     layer, scale: float):
+    """One layer's paged attention: write this step's K/V ([T, num_kv_heads, head_dim]) into
+    the pool at the slot mapping, then attend q [T, num_q_heads, head_dim] over it. For a pool
+    stored rotated (int8, kv_pool.is_rotated) q, k and v are rotated first and the output is
+    rotated back, which leaves the result unchanged but for quantization. Returns (output
+    [T, num_q_heads, head_dim] in q's dtype, the updated pool)."""
+    rotated = is_rotated(pool)
+    if rotated:
+        q, k, v = rotate(q), rotate(k), rotate(v)
+    pool = write_kv(pool, k, v, step.slot_mapping, layer)
+    out = attention.attend(q, pool, step, shared, layer=layer, scale=scale)
+    return (rotate(out) if rotated else out), pool
 
 
 def get_attention(backend: str) -> Attention:

@@ -139,16 +139,27 @@ def _empty_state(rows, nk, g, d):
             jnp.zeros((rows, nk, g, d), jnp.float32))
 
 
-def _row_attention(qf, k_cache, v_cache, layer, tables, ctx, cb, block_size):
+def _load(cache, scales, layer, blk, shape):
+    """Blocks blk of one layer as float32 of `shape` (..., keys, K, D), dequantized with their
+    per-token, per-KV-head scales when the pool has them (the multiply fuses into the gather)."""
+    x = cache[layer, blk].reshape(shape).astype(jnp.float32)
+    if scales is None:
+        return x
+    return x * scales[layer, blk].reshape(shape[:-1]).astype(jnp.float32)[..., None]
+
+
+def _row_attention(qf, pool, layer, tables, ctx, cb, block_size):
     """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys, gathered
-    per row from the pool in chunks of cb blocks; the trip count follows the longest ctx."""
+    per row from the pool (k, v, k_scale, v_scale) in chunks of cb blocks; the trip count
+    follows the longest ctx."""
     rows, nk, g, d = qf.shape
     ct = cb * block_size
+    k_cache, v_cache, k_scale, v_scale = pool
 
     def chunk(c, st):
         blk = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)  # [R, cb]
-        k = k_cache[layer, blk].reshape(rows, ct, nk, d).astype(jnp.float32)
-        v = v_cache[layer, blk].reshape(rows, ct, nk, d).astype(jnp.float32)
+        k = _load(k_cache, k_scale, layer, blk, (rows, ct, nk, d))
+        v = _load(v_cache, v_scale, layer, blk, (rows, ct, nk, d))
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
         kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
         bias = jnp.where(kpos[None, :] < ctx[:, None], 0.0, -jnp.inf)[:, None, None, :]
@@ -157,13 +168,14 @@ def _row_attention(qf, k_cache, v_cache, layer, tables, ctx, cb, block_size):
     return jax.lax.fori_loop(0, (jnp.max(ctx) + ct - 1) // ct, chunk, _empty_state(rows, nk, g, d))
 
 
-def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, seg_rows):
+def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows):
     """The segment path: for each real segment, gather its sequence's keys once per chunk of
     cb blocks, up to its last row, and attend its rows causally with GEMMs; the result
     replaces those rows of state. Trip counts: the real segments, then each one's chunks."""
     num_tokens, nk, g, d = qf.shape
     ct = cb * block_size
     r = _segment_size(seg_rows, num_tokens)
+    k_cache, v_cache, k_scale, v_scale = pool
 
     def segment(j, st):
         s, start = md.seg_seq[j], md.seg_row[j]
@@ -176,8 +188,8 @@ def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, s
 
         def chunk(c, acc):
             blk = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
-            k = k_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
-            v = v_cache[layer, blk].reshape(ct, nk, d).astype(jnp.float32)
+            k = _load(k_cache, k_scale, layer, blk, (ct, nk, d))
+            v = _load(v_cache, v_scale, layer, blk, (ct, nk, d))
             kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
             bias = jnp.where(kpos[None, :] <= last[:, None], 0.0, -jnp.inf)
             return _combine(acc, _dense_tile(q, k, v, bias))
@@ -195,8 +207,8 @@ def _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size, s
 
 
 def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                               num_seqs, *, scale: float, layer=None,
-                               metadata: RaggedMetadata | None = None,
+                               num_seqs, *, scale: float, layer=None, k_scale=None,
+                               v_scale=None, metadata: RaggedMetadata | None = None,
                                chunk_tokens: int = CHUNK_TOKENS,
                                segment_rows: int = SEGMENT_ROWS):
     """Ragged paged attention over a block-paged KV pool: arguments, shapes and result as
@@ -206,9 +218,12 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
         layers (it is computed here otherwise), made with the same chunk_tokens and
         segment_rows.
       chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
+    k_scale, v_scale are those of the oracle: the scales of an int8 / float8 pool, or None.
     """
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])
+    pool = (k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -220,13 +235,12 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
 
     packed = md.row_idx.shape[0] < num_tokens
     qr = qf[jnp.minimum(md.row_idx, num_tokens - 1)] if packed else qf
-    state = _row_attention(qr, k_cache, v_cache, layer, md.tables, md.ctx, cb, block_size)
+    state = _row_attention(qr, pool, layer, md.tables, md.ctx, cb, block_size)
     if packed:  # back to their rows; unused slots (index T) are dropped
         state = tuple(e.at[md.row_idx].set(x, mode="drop")
                       for e, x in zip(_empty_state(num_tokens, num_kv_heads, group, head_dim),
                                       state))
-    state = _segment_attention(qf, k_cache, v_cache, layer, md, state, cb, block_size,
-                               segment_rows)
+    state = _segment_attention(qf, pool, layer, md, state, cb, block_size, segment_rows)
     _, l, acc = state
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

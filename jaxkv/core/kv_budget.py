@@ -43,11 +43,15 @@ class KVBudget:
                 f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x")
 
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                    scale_bytes: int = 0) -> int:
+    """K and V of one token in every layer: head_dim values of dtype_bytes per KV head, plus
+    scale_bytes per KV head for a quantized pool (jaxkv/attention/kv_pool.py)."""
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
 
 
 def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                  scale_bytes: int = 0,
                   block_size: int, max_model_len: int, num_gpu_blocks_override: int | None = None,
                   kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                   device_memory_bytes: int | None = None, used_memory_bytes: int = 0) -> KVBudget:
@@ -57,7 +61,7 @@ def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype_by
 
     Raises ValueError when the budget holds fewer than 2 blocks.
     """
-    bpt = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes)
+    bpt = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes, scale_bytes)
     block_bytes = bpt * block_size
     if num_gpu_blocks_override is not None:
         num_blocks = int(num_gpu_blocks_override)

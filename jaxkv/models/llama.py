@@ -5,8 +5,9 @@ Qwen3ForCausalLM numerics: RMSNorm in float32, rotate-half RoPE (with llama3 sca
 query attention, SwiGLU MLP, q/k/v biases for Qwen2, per-head q/k RMSNorm for Qwen3.
 
 The layers are a Python loop over per-layer modules (each with its own weight arrays), all
-sharing the stacked KV pool [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; layer i
-writes its K/V at the slot mapping, then attends through `jaxkv.attention.paged_attention` with
+sharing the stacked KV pool (jaxkv.attention.KVPool: [num_layers, num_blocks, block_size,
+num_kv_heads, head_dim], with scales when quantized); layer i
+writes its K/V at the slot mapping, then attends through the engine's attention backend with
 the layer index, so no layer of the pool is ever sliced out or copied. (Measured on the 2-core
 CPU: an nn.scan over stacked weights compiles 5x faster but decodes ~1.7x slower, because every
 iteration copies its layer's weights out of the stack.)
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention import Attention, get_attention, write_kv
+from jaxkv.attention import Attention, get_attention, write_and_attend
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.step_input import StepInput
 
@@ -78,7 +79,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer, rope, step: StepInput, shared):
-        x, k_cache, v_cache = carry
+        x, pool = carry
         c, dt = self.cfg, self.dtype
         t = x.shape[0]
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
@@ -93,20 +94,19 @@ class DecoderLayer(nn.Module):
             k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, step.slot_mapping, layer)
-        o = self.attention.attend(q, k_cache, v_cache, step, shared, layer=layer,
-                                  scale=c.head_dim ** -0.5)
+        o, pool = write_and_attend(self.attention, q, k, v, pool, step, shared, layer=layer,
+                                   scale=c.head_dim ** -0.5)
         x = x + Linear(c.hidden_size, False, dt, name="o_proj")(o.reshape(t, -1))
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         g = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
         u = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
         x = x + Linear(c.hidden_size, False, dt, name="down_proj")(nn.silu(g) * u)
-        return (x, k_cache, v_cache), None
+        return (x, pool), None
 
 
 class LlamaModel(nn.Module):
-    """__call__(step: StepInput, kv (k, v)) -> (hidden [T, hidden_size] after the final norm,
-    (k, v) updated); `logits(hidden)` -> float32 [rows, vocab_size]. `attention`: the backend
+    """__call__(step: StepInput, kv: KVPool) -> (hidden [T, hidden_size] after the final norm,
+    the pool updated); `logits(hidden)` -> float32 [rows, vocab_size]. `attention`: the backend
     chosen at engine build (jaxkv.attention.get_attention)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
@@ -128,12 +128,12 @@ class LlamaModel(nn.Module):
         freqs = step.positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq)[None]
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         rope = (jnp.cos(emb), jnp.sin(emb))
-        carry = (x, kv[0], kv[1])
-        shared = self.attention.prepare(step, kv[0].shape[2])  # once per step, for every layer
+        carry = (x, kv)
+        shared = self.attention.prepare(step, kv.k.shape[2])  # once per step, for every layer
         for i, layer in enumerate(self.layers):
             carry, _ = layer(carry, i, rope, step, shared)
-        x, k, v = carry
-        return self.norm(x), (k, v)
+        x, kv = carry
+        return self.norm(x), kv
 
     def forward_and_logits(self, step: StepInput, kv):
         """Both halves at once; used to create every parameter (lm_head included) at init."""

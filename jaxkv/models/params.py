@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.attention.kv_pool import KVPool
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.step_input import StepInput
 
@@ -31,7 +32,7 @@ def param_shapes(model) -> dict:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     step = StepInput(i32(1), i32(1), i32(1), i32(1, 1), i32(1), i32(2), i32(1), i32(1))
     shapes = jax.eval_shape(lambda step, kv: model.init(
-        jax.random.PRNGKey(0), step, kv, method=type(model).forward_and_logits), step, (kv, kv))
+        jax.random.PRNGKey(0), step, kv, method=type(model).forward_and_logits), step, KVPool(kv, kv))
     return shapes["params"]
 
 

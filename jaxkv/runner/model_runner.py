@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models.llama import LlamaModel
@@ -50,7 +51,7 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.num_blocks = cc.num_blocks
         self.kv_cache = self._new_kv_cache()
-        self.kv_spec = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.kv_cache)
+        self.kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_cache)
         self.enforce_eager = enforce_eager = rc.enforce_eager
         self.mark_decode_only = model.attention.uses_decode_only
         self.warmup_token_buckets = rc.warmup_token_buckets
@@ -79,7 +80,7 @@ class ModelRunner:
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
-        """The model step, not jitted: (params, (K, V) pool, StepInput) -> (hidden
+        """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
         [T, hidden_size], pool with this step's K/V written)."""
         return self.model.apply({"params": params}, step, kv_cache)
 
@@ -136,14 +137,14 @@ class ModelRunner:
         c = self.model.cfg
         shape = (c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         dtype = jnp.dtype(self.config.runner.kv_cache_dtype)  # the weights' or narrower
-        return (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return new_kv_pool(shape, dtype)
 
     def recover_kv_cache(self) -> bool:
         """After a failed step: True when the KV pool did not survive it (donated to a program
         that failed, or holding its error) and was reallocated as zeros; False when it is
         intact. Every block's contents are gone when True."""
         try:
-            for a in self.kv_cache:
+            for a in jax.tree.leaves(self.kv_cache):
                 if a.is_deleted():
                     raise RuntimeError("KV pool donated to a step that did not finish")
                 a.block_until_ready()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
 
@@ -185,7 +186,7 @@ def test_c2_step_that_consumed_the_pool_then_raised(llm, llm_no_prefix_cache, mo
     _fail_once(monkeypatch, engine.runner, "_run_step", before_call=False)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
-    assert all(a.is_deleted() is False for a in engine.runner.kv_cache)
+    assert all(a.is_deleted() is False for a in jax.tree.leaves(engine.runner.kv_cache))
     monkeypatch.undo()
     done = {}
     while engine.has_unfinished_requests():

@@ -29,13 +29,17 @@ def test_resolve_backend_rejects_unknown():
         resolve_backend("triton", "gpu")
 
 
-def test_pallas_engine_matches_xla_engine(llm):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_pallas_engine_matches_xla_engine(llm, kv_cache_dtype):
     from jaxkv import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    assert llm.llm_engine.runner.model.attention.name == "xla"  # the shared session engine
+    if kv_cache_dtype == "auto":
+        assert llm.llm_engine.runner.model.attention.name == "xla"  # the shared session engine
+    else:  # a quantized pool: scales read by the kernels, K/V stored rotated
+        llm = LLM(kv_cache_dtype=kv_cache_dtype, **ENGINE)
     ref = llm.generate(PROMPTS, sp, use_tqdm=False)
-    llm = LLM(attention_backend="pallas", **ENGINE)
+    llm = LLM(attention_backend="pallas", kv_cache_dtype=kv_cache_dtype, **ENGINE)
     runner = llm.llm_engine.runner
     assert runner.model.attention.name == "pallas"
     seen, forward = [], runner.forward

@@ -17,8 +17,8 @@ def _memory(r, t, kv):
 def test_step_updates_the_pool_in_place(llm):
     r = llm.llm_engine.runner
     layer_bytes = r.kv_cache[0].nbytes // r.kv_cache[0].shape[0]
-    bigger = tuple(jax.ShapeDtypeStruct((x.shape[0], 3 * x.shape[1]) + x.shape[2:], x.dtype)
-                   for x in r.kv_cache)
+    bigger = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], 3 * x.shape[1]) + x.shape[2:],
+                                                         x.dtype), r.kv_cache)
     for t in (r.token_buckets[0], r.token_buckets[-1]):
         mem = _memory(r, t, r.kv_cache)
         # The outputs alias the donated pool (K and V), and the step's scratch does not grow
@@ -29,10 +29,10 @@ def test_step_updates_the_pool_in_place(llm):
     assert _memory(r, r.token_buckets[0], r.kv_cache).temp_size_in_bytes < layer_bytes
     si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=r.token_buckets[0],
                           rows=num_rows(r.token_buckets[0], r.max_num_seqs), max_blocks=r.max_blocks)
-    ptrs = [x.unsafe_buffer_pointer() for x in r.kv_cache]
+    ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(r.kv_cache)]
     old = r.kv_cache
     r.forward(si)
     jax.block_until_ready(r.kv_cache)
-    assert all(x.is_deleted() for x in old)
-    assert [x.unsafe_buffer_pointer() for x in r.kv_cache] == ptrs
+    assert all(x.is_deleted() for x in jax.tree.leaves(old))
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(r.kv_cache)] == ptrs
     assert np.isfinite(np.asarray(r.kv_cache[0][:, :2])).all()
