@@ -135,13 +135,15 @@ def main():
                    help="sequences x context x tokens computed per sequence (repeatable; "
                         "default: 64 256 1 and 1 256 1)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the pool's dtype (jaxkv's --kv-cache-dtype; default auto = float32)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every row (default 0: greedy; > 0 times the "
                         "random sampler, whose per-row noise is the exponential race)")
     args = p.parse_args()
     reps = 5 if args.quick else args.reps
     from jaxkv import LLM
-    llm = LLM()
+    llm = LLM(kv_cache_dtype=args.kv_cache_dtype)
     llm.llm_engine.wait_for_background_compile()  # time the steady state
     rows = [profile(llm, tuple(s), reps, args.seed, args.temperature)
             for s in (args.shape or REFERENCE_SHAPES)]

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.validation import scale_values, view_as
+
 # A finite minus-infinity: exp(NEG - m) underflows to 0, and NEG - NEG is 0, never NaN.
 NEG = -1e30
 
@@ -32,7 +34,7 @@ def dot(a, b, *, trans_b: bool = False):
 
 def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, chunk_lo,
                   chunk_hi, scale: float, block_k: int, block_size: int, ks_ref=None,
-                  vs_ref=None):
+                  vs_ref=None, kv_dtype=None):
     """Online softmax of query rows over key chunks [chunk_lo, chunk_hi) of one sequence.
 
     q: [M, head_dim] float32 / bfloat16 / float16 (M a power of two >= 16); each loaded K/V
@@ -46,7 +48,8 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
       per-KV-head scales for a quantized pool (int8 / float8: key = stored x scale), or None.
       They are folded into the scores (s x k_scale per key) and into the probabilities
       (p x v_scale per key) rather than into the loaded blocks: a multiply per key, not per
-      element, and the dots keep their operand types.
+      element, and the dots keep their operand types. uint16 scales are bfloat16 bits.
+    kv_dtype: the type of the values when the refs hold their bits (uint8 / uint16), else None.
     Returns (m, l, acc): float32 [M] running max, [M] softmax denominator, [M, head_dim]
     unnormalised output; l == 0 where a row saw no key.
     """
@@ -60,18 +63,19 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
         blk = bt_ref[seq, jnp.minimum(kpos // block_size, max_blocks - 1)]     # [block_k]
         off = kpos % block_size
         # Cast to q's dtype (a no-op unless the pool is narrower: bfloat16, int8, float8).
-        k = k_ref[layer, blk, off, kv_head, :].astype(q.dtype)                  # [block_k, D]
-        v = v_ref[layer, blk, off, kv_head, :].astype(q.dtype)                  # [block_k, D]
+        k = view_as(k_ref[layer, blk, off, kv_head, :], kv_dtype).astype(q.dtype)  # [block_k, D]
+        v = view_as(v_ref[layer, blk, off, kv_head, :], kv_dtype).astype(q.dtype)  # [block_k, D]
         s = dot(q, k, trans_b=True) * scale                                     # [M, block_k]
         if ks_ref is not None:
-            s = s * ks_ref[layer, blk, off, kv_head].astype(jnp.float32)[None, :]
+            s = s * scale_values(ks_ref[layer, blk, off, kv_head]).astype(jnp.float32)[None, :]
         mask = kpos[None, :] <= limit
         s = jnp.where(mask, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
-        pv = p if vs_ref is None else p * vs_ref[layer, blk, off, kv_head].astype(jnp.float32)[None, :]
+        pv = p if vs_ref is None else \
+            p * scale_values(vs_ref[layer, blk, off, kv_head]).astype(jnp.float32)[None, :]
         acc = alpha[:, None] * acc + dot(pv.astype(v.dtype), v)                 # [M, D]
         return m_new, l, acc
 

@@ -35,7 +35,7 @@ DEFAULT_BLOCK_K = 64
 
 
 def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale,
-                   block_k, block_size, num_splits, scaled):
+                   block_k, block_size, num_splits, scaled, kv_dtype):
     # layer_ref: int32 [1]; seq_lens_ref: int32 [S]; bt_ref: int32 [S, max_blocks]
     # q_ref: [S, KVH, Gp, D]; k_ref, v_ref: [L, NB, block_size, KVH, D]
     # scaled: refs start with ks_ref, vs_ref [L, NB, block_size, KVH] (a quantized pool)
@@ -55,7 +55,7 @@ def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, 
     m, l, acc = attend_chunks(q, k_ref, v_ref, bt_ref, layer=layer_ref[0], seq=s, kv_head=h,
                               pos=pos, kv_len=seq_len, chunk_lo=lo, chunk_hi=hi, scale=scale,
                               block_k=block_k, block_size=block_size, ks_ref=ks_ref,
-                              vs_ref=vs_ref)
+                              vs_ref=vs_ref, kv_dtype=kv_dtype)
     if num_splits == 1:
         (o_ref,) = out_refs
         o_ref[s, h] = normalise(l, acc).astype(o_ref.dtype)
@@ -67,9 +67,9 @@ def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "kv_dtype"))
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales, *, scale,
-                     block_k, num_splits, num_warps, num_stages, interpret):
+                     block_k, num_splits, num_warps, num_stages, interpret, kv_dtype):
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -85,7 +85,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales,
         out_shape = [jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct((*part, head_dim), jnp.float32)]
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, block_size=block_size,
-                               num_splits=num_splits, scaled=scales is not None)
+                               num_splits=num_splits, scaled=scales is not None, kv_dtype=kv_dtype)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(num_seqs, num_kv_heads, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -104,7 +104,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales,
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, layer=None,
-                    k_scale=None, v_scale=None, block_k: int = DEFAULT_BLOCK_K, num_splits: int = 1, num_warps: int = 4,
+                    k_scale=None, v_scale=None, kv_dtype=None, block_k: int = DEFAULT_BLOCK_K,
+                    num_splits: int = 1, num_warps: int = 4,
                     num_stages: int = 2, interpret: bool = False):
     """Decode attention: one query token per sequence over its paged context.
 
@@ -121,7 +122,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
       layer: Python int or int32 scalar choosing the layer of a stacked pool (read by ref
         indexing inside the kernel: no layer is copied out); None for a 4-D pool.
       k_scale, v_scale: for an int8 / float8 pool, float [*pool.shape[:-1]] (one scale per
-        token and KV head: key = k_cache x k_scale), else None.
+        token and KV head: key = k_cache x k_scale; uint16 arrays hold bfloat16 bits), else
+        None.
+      kv_dtype: the values' type when k_cache / v_cache hold their bits (uint16 for bfloat16,
+        uint8 for float8; each loaded block is bitcast), else None.
       block_k: keys per inner step (power of two >= 16). num_splits: programs per (sequence,
         KV head) along the context (split-K for few, long sequences). num_warps, num_stages:
         Triton launch knobs. interpret: run the kernel in Pallas interpret mode (CPU).
@@ -131,8 +135,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
       ValueError naming the argument for bad shapes, dtypes or knobs (including the Triton
       lowering's rules: head_dim and block_k powers of two >= 16).
     """
-    num_kv_heads, _, _, _ = val.check_pool(q, k_cache, v_cache, layer)
-    scales = val.check_scales(k_cache, k_scale, v_scale)
+    num_kv_heads, _, _, _ = val.check_pool(q, k_cache, v_cache, layer, kv_dtype)
+    scales = val.check_scales(k_cache, k_scale, v_scale, kv_dtype)
     rows = val.check_tables(block_tables, seq_lens)
     if q.shape[0] != rows:
         raise ValueError(f"q must have one row per sequence ({rows} block_tables rows), got "
@@ -146,4 +150,5 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
         scales = scales and tuple(x[None] for x in scales)
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, jnp.asarray(layer),
                             scales, scale=scale, block_k=block_k, num_splits=num_splits,
-                            num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret))
+                            num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
+                   kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name)

@@ -77,7 +77,7 @@ def tile_map(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: i
 
 
 def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale, group,
-                   block_m, block_k, block_size, scaled):
+                   block_m, block_k, block_size, scaled, kv_dtype):
     # layer_ref: int32 [1]; tiles_ref: int32 [num_tiles, 5]; bt_ref: int32 [max_seqs, max_blocks]
     # q_ref, o_ref: [T, H, D]; k_ref, v_ref: [L, NB, block_size, KVH, D]
     # refs: (ks_ref, vs_ref [L, NB, block_size, KVH], o_ref) when scaled, else (o_ref,)
@@ -96,7 +96,7 @@ def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
                               pos=tok + pos_off, kv_len=kv_len, chunk_lo=0,
                               chunk_hi=(kv_len + block_k - 1) // block_k, scale=scale,
                               block_k=block_k, block_size=block_size, ks_ref=ks_ref,
-                              vs_ref=vs_ref)
+                              vs_ref=vs_ref, kv_dtype=kv_dtype)
     out = normalise(l, acc).astype(o_ref.dtype)                     # [block_m, D]
     # Masked scatter of the valid rows. The indices are the unclamped (tok, head): distinct for
     # all block_m rows, so interpret mode (which writes masked rows back unchanged, dropping
@@ -107,16 +107,17 @@ def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_m", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "kv_dtype"))
 def _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, layer,
-            scales, *, scale, block_m, block_k, num_warps, num_stages, interpret):
+            scales, *, scale, block_m, block_k, num_warps, num_stages, interpret, kv_dtype):
     num_tokens, num_heads, _ = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     tiles = tile_map(query_start_loc, seq_lens, num_seqs, num_tokens=num_tokens,
                      block_q=block_m // group)
     kernel = functools.partial(_ragged_kernel, scale=scale, group=group, block_m=block_m,
-                               block_k=block_k, block_size=block_size, scaled=scales is not None)
+                               block_k=block_k, block_size=block_size, scaled=scales is not None,
+                               kv_dtype=kv_dtype)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(tiles.shape[0], num_kv_heads),
@@ -127,7 +128,7 @@ def _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_se
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                           *, scale: float, layer=None, k_scale=None, v_scale=None,
+                           *, scale: float, layer=None, k_scale=None, v_scale=None, kv_dtype=None,
                            block_m: int = DEFAULT_BLOCK_M,
                            block_k: int = DEFAULT_BLOCK_K, num_warps: int = 4,
                            num_stages: int = 2, interpret: bool = False):
@@ -148,7 +149,10 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       layer: Python int or int32 scalar choosing the layer of a stacked pool (read by ref
         indexing: no layer is copied out); None for a 4-D pool.
       k_scale, v_scale: for an int8 / float8 pool, float [*pool.shape[:-1]] (one scale per
-        token and KV head: key = k_cache x k_scale), else None.
+        token and KV head: key = k_cache x k_scale; uint16 arrays hold bfloat16 bits), else
+        None.
+      kv_dtype: the values' type when k_cache / v_cache hold their bits (uint16 for bfloat16,
+        uint8 for float8; each loaded block is bitcast), else None.
       block_m: query rows (token x group head) per program, a power of two >= 16 and >= the
         group size. block_k: keys per inner step, a power of two >= 16. num_warps, num_stages:
         Triton launch knobs. interpret: run in Pallas interpret mode (CPU).
@@ -158,8 +162,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       ValueError naming the argument for bad shapes, dtypes or knobs (including the Triton
       lowering's rules).
     """
-    _, group, _, _ = val.check_pool(q, k_cache, v_cache, layer)
-    scales = val.check_scales(k_cache, k_scale, v_scale)
+    _, group, _, _ = val.check_pool(q, k_cache, v_cache, layer, kv_dtype)
+    scales = val.check_scales(k_cache, k_scale, v_scale, kv_dtype)
     rows = val.check_tables(block_tables, seq_lens)
     val.check_int_array("query_start_loc", query_start_loc, 1)
     if query_start_loc.shape[0] != rows + 1:
@@ -179,4 +183,5 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         scales = scales and tuple(x[None] for x in scales)
     return _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
                    jnp.asarray(layer), scales, scale=scale, block_m=block_m, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret))
+                   num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
+                   kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name)

@@ -16,10 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.validation import scale_values, view_as
+
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      num_seqs, *, scale: float, layer=None, k_scale=None,
-                                     v_scale=None):
+                                     v_scale=None, kv_dtype=None):
     """Ragged paged attention over a block-paged KV pool (dense gather, float32 softmax).
 
     Args:
@@ -35,13 +37,16 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
       scale: softmax scale (usually head_dim ** -0.5).
       k_scale, v_scale: for a quantized (int8 / float8) pool, float [*k_cache.shape[:-1]]: the
         stored value times its token's and KV head's scale is the key (value); None otherwise.
+        uint16 scales hold bfloat16 bits.
+      kv_dtype: the values' type when the pool holds their bits (uint16 / uint8), else None.
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
     """
+    k_cache, v_cache = view_as(k_cache, kv_dtype), view_as(v_cache, kv_dtype)
     if k_scale is not None:  # dequantize the whole pool: obviously right, not fast
-        k_cache = k_cache.astype(jnp.float32) * k_scale.astype(jnp.float32)[..., None]
-        v_cache = v_cache.astype(jnp.float32) * v_scale.astype(jnp.float32)[..., None]
+        k_cache = k_cache.astype(jnp.float32) * scale_values(k_scale).astype(jnp.float32)[..., None]
+        v_cache = v_cache.astype(jnp.float32) * scale_values(v_scale).astype(jnp.float32)[..., None]
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
     num_tokens, num_heads, head_dim = q.shape

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -24,6 +25,23 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # float8 takes them too, or is read unscaled.
 SCALED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 KV_DTYPES = FLOAT_DTYPES + SCALED_DTYPES
+# A pool may hold bfloat16 / float8 values (and bfloat16 scales) as their bits, in unsigned
+# integers of the same width (XLA:CPU scatters into those in place; see jaxkv/attention/
+# kv_pool.py); `kv_dtype` then names the values' type, and a uint16 scale array holds bfloat16.
+BIT_DTYPES = (jnp.uint8, jnp.uint16)
+
+
+def view_as(x, dtype):
+    """x seen as `dtype` (None: x as it is): x itself when it has that type, else a bitcast of
+    its bits (same width). Works on arrays and on values loaded inside a kernel."""
+    if dtype is None or x.dtype == jnp.dtype(dtype):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+
+
+def scale_values(s):
+    """Loaded scales as a float type: uint16 bits are bfloat16's."""
+    return view_as(s, jnp.bfloat16) if s.dtype == jnp.uint16 else s
 MIN_DOT_DIM = 16
 
 
@@ -71,10 +89,10 @@ def check_int_array(name: str, x, ndim: int) -> None:
                          f"{getattr(x, 'dtype', type(x).__name__)} of shape {getattr(x, 'shape', None)}")
 
 
-def check_pool(q, k_cache, v_cache, layer) -> tuple[int, int, int, int]:
+def check_pool(q, k_cache, v_cache, layer, kv_dtype=None) -> tuple[int, int, int, int]:
     """q [rows, num_q_heads, head_dim] against the pool ([num_blocks, block_size, num_kv_heads,
-    head_dim], or [num_layers, ...] with `layer`). Returns (num_kv_heads, group, head_dim,
-    block_size)."""
+    head_dim], or [num_layers, ...] with `layer`; of a KV_DTYPES type, or holding kv_dtype's
+    bits). Returns (num_kv_heads, group, head_dim, block_size)."""
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got shape {getattr(q, 'shape', None)}")
     if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
@@ -85,7 +103,14 @@ def check_pool(q, k_cache, v_cache, layer) -> tuple[int, int, int, int]:
     if getattr(v_cache, "shape", None) != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got "
                          f"{getattr(v_cache, 'shape', None)}")
-    if k_cache.dtype != v_cache.dtype or jnp.dtype(k_cache.dtype) not in [jnp.dtype(d) for d in KV_DTYPES]:
+    if kv_dtype is not None and (
+            jnp.dtype(kv_dtype) not in [jnp.dtype(d) for d in KV_DTYPES]
+            or jnp.dtype(k_cache.dtype) not in [jnp.dtype(kv_dtype)] + [jnp.dtype(d) for d in BIT_DTYPES]
+            or jnp.dtype(k_cache.dtype).itemsize != jnp.dtype(kv_dtype).itemsize):
+        raise ValueError(f"kv_dtype {kv_dtype!r} must be one of {[jnp.dtype(d).name for d in KV_DTYPES]} "
+                         f"and the pool ({k_cache.dtype}) of that type or its bits (same width)")
+    values = jnp.dtype(kv_dtype if kv_dtype is not None else k_cache.dtype)
+    if k_cache.dtype != v_cache.dtype or values not in [jnp.dtype(d) for d in KV_DTYPES]:
         raise ValueError(f"k_cache and v_cache must share one dtype of {[jnp.dtype(d).name for d in KV_DTYPES]} "
                          f"(the kernels cast each loaded block to q's dtype), got {k_cache.dtype} "
                          f"and {v_cache.dtype}")
@@ -112,13 +137,13 @@ def check_pool(q, k_cache, v_cache, layer) -> tuple[int, int, int, int]:
     return num_kv_heads, num_q_heads // num_kv_heads, head_dim, block_size
 
 
-def check_scales(k_cache, k_scale, v_scale):
-    """The scales of a quantized pool: (k_scale, v_scale), each float [*k_cache.shape[:-1]]
-    (one per token slot and KV head), or None for an unscaled pool. Both or neither; an int8
-    pool requires them, a 16/32-bit pool refuses them."""
+def check_scales(k_cache, k_scale, v_scale, kv_dtype=None):
+    """The scales of a quantized pool: (k_scale, v_scale), each float (or uint16 bits of
+    bfloat16) [*k_cache.shape[:-1]] (one per token slot and KV head), or None for an unscaled
+    pool. Both or neither; an int8 pool requires them, a 16/32-bit pool refuses them."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("k_scale and v_scale must be given together")
-    dtype = jnp.dtype(k_cache.dtype)
+    dtype = jnp.dtype(kv_dtype if kv_dtype is not None else k_cache.dtype)
     if k_scale is None:
         if dtype == jnp.int8:
             raise ValueError("an int8 pool needs k_scale and v_scale")
@@ -127,8 +152,8 @@ def check_scales(k_cache, k_scale, v_scale):
         raise ValueError(f"k_scale and v_scale go with an int8 or float8 pool, not {dtype.name}")
     for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
         if getattr(x, "shape", None) != k_cache.shape[:-1] or jnp.dtype(x.dtype) not in [
-                jnp.dtype(d) for d in FLOAT_DTYPES]:
-            raise ValueError(f"{name} must be float {k_cache.shape[:-1]} (the pool's shape "
+                jnp.dtype(d) for d in FLOAT_DTYPES + (jnp.uint16,)]:
+            raise ValueError(f"{name} must be float (or uint16 bits of bfloat16) {k_cache.shape[:-1]} (the pool's shape "
                              f"without head_dim), got {getattr(x, 'dtype', None)} of shape "
                              f"{getattr(x, 'shape', None)}")
     return k_scale, v_scale

@@ -36,11 +36,12 @@ def pallas_interpret() -> bool:
 
 
 def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                     scale: float, layer=None, k_scale=None, v_scale=None,
+                     scale: float, layer=None, k_scale=None, v_scale=None, kv_dtype=None,
                      decode_only: bool = False):
     """The Pallas kernels behind the oracle's signature (q float32/bfloat16 [num_tokens,
     num_q_heads, head_dim] -> the same shape and dtype; pools stacked with `layer`, or one
-    layer's, with their scales when quantized; int32 tables as in pallas_kernels.reference). The ragged kernel, or, when the
+    layer's, with their scales when quantized and their values' type when they hold its bits;
+    int32 tables as in pallas_kernels.reference). The ragged kernel, or, when the
     caller promises (static `decode_only`) that every real sequence has exactly one query row,
     so that row s is sequence s, the decode kernel. Rows past the last real sequence are zeros
     either way. Raises ValueError (pallas_kernels.validation) for shapes the kernels refuse."""
@@ -49,11 +50,12 @@ def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         group = q.shape[1] // k_cache.shape[-2]  # a tile holds at least one token's group
         return ragged_kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                              num_seqs, scale=scale, layer=layer, k_scale=k_scale,
-                             v_scale=v_scale, interpret=interpret, block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
+                             v_scale=v_scale, kv_dtype=kv_dtype, interpret=interpret, block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
     rows = min(q.shape[0], block_tables.shape[0])
     lens = jnp.where(jnp.arange(rows) < num_seqs[0], seq_lens[:rows], 0)  # padding rows -> 0
     out = decode_kernel(q[:rows], k_cache, v_cache, block_tables[:rows], lens, scale=scale,
-                        layer=layer, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+                        layer=layer, k_scale=k_scale, v_scale=v_scale, kv_dtype=kv_dtype,
+                        interpret=interpret)
     return jnp.pad(out, ((0, q.shape[0] - rows), (0, 0), (0, 0)))
 
 
@@ -79,13 +81,13 @@ def _xla_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
     return xla_ragged_paged_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
                                       step.query_start_loc, step.num_seqs, scale=scale,
                                       layer=layer, k_scale=pool.k_scale, v_scale=pool.v_scale,
-                                      metadata=shared)
+                                      kv_dtype=pool.dtype, metadata=shared)
 
 
 def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
     return pallas_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
                             step.query_start_loc, step.num_seqs, scale=scale, layer=layer,
-                            k_scale=pool.k_scale, v_scale=pool.v_scale,
+                            k_scale=pool.k_scale, v_scale=pool.v_scale, kv_dtype=pool.dtype,
                             decode_only=step.decode_only)
 
 

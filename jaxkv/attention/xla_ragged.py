@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels.validation import scale_values, view_as
 
 CHUNK_TOKENS = 128
 SEGMENT_ROWS = 32  # query rows of one sequence that share one gather of its keys
@@ -139,27 +140,29 @@ def _empty_state(rows, nk, g, d):
             jnp.zeros((rows, nk, g, d), jnp.float32))
 
 
-def _load(cache, scales, layer, blk, shape):
-    """Blocks blk of one layer as float32 of `shape` (..., keys, K, D), dequantized with their
-    per-token, per-KV-head scales when the pool has them (the multiply fuses into the gather)."""
-    x = cache[layer, blk].reshape(shape).astype(jnp.float32)
+def _load(cache, scales, kv_dtype, layer, blk, shape):
+    """Blocks blk of one layer as float32 of `shape` (..., keys, K, D): the gathered values
+    (seen as kv_dtype when the pool holds their bits), dequantized with their per-token,
+    per-KV-head scales when the pool has them (the multiply fuses into the gather)."""
+    x = view_as(cache[layer, blk], kv_dtype).reshape(shape).astype(jnp.float32)
     if scales is None:
         return x
-    return x * scales[layer, blk].reshape(shape[:-1]).astype(jnp.float32)[..., None]
+    s = scale_values(scales[layer, blk]).reshape(shape[:-1]).astype(jnp.float32)
+    return x * s[..., None]
 
 
 def _row_attention(qf, pool, layer, tables, ctx, cb, block_size):
     """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys, gathered
-    per row from the pool (k, v, k_scale, v_scale) in chunks of cb blocks; the trip count
+    per row from the pool (k, v, k_scale, v_scale, kv_dtype) in chunks of cb blocks; the trip count
     follows the longest ctx."""
     rows, nk, g, d = qf.shape
     ct = cb * block_size
-    k_cache, v_cache, k_scale, v_scale = pool
+    k_cache, v_cache, k_scale, v_scale, kv_dtype = pool
 
     def chunk(c, st):
         blk = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)  # [R, cb]
-        k = _load(k_cache, k_scale, layer, blk, (rows, ct, nk, d))
-        v = _load(v_cache, v_scale, layer, blk, (rows, ct, nk, d))
+        k = _load(k_cache, k_scale, kv_dtype, layer, blk, (rows, ct, nk, d))
+        v = _load(v_cache, v_scale, kv_dtype, layer, blk, (rows, ct, nk, d))
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
         kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
         bias = jnp.where(kpos[None, :] < ctx[:, None], 0.0, -jnp.inf)[:, None, None, :]
@@ -175,7 +178,7 @@ def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows):
     num_tokens, nk, g, d = qf.shape
     ct = cb * block_size
     r = _segment_size(seg_rows, num_tokens)
-    k_cache, v_cache, k_scale, v_scale = pool
+    k_cache, v_cache, k_scale, v_scale, kv_dtype = pool
 
     def segment(j, st):
         s, start = md.seg_seq[j], md.seg_row[j]
@@ -188,8 +191,8 @@ def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows):
 
         def chunk(c, acc):
             blk = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
-            k = _load(k_cache, k_scale, layer, blk, (ct, nk, d))
-            v = _load(v_cache, v_scale, layer, blk, (ct, nk, d))
+            k = _load(k_cache, k_scale, kv_dtype, layer, blk, (ct, nk, d))
+            v = _load(v_cache, v_scale, kv_dtype, layer, blk, (ct, nk, d))
             kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
             bias = jnp.where(kpos[None, :] <= last[:, None], 0.0, -jnp.inf)
             return _combine(acc, _dense_tile(q, k, v, bias))
@@ -208,7 +211,7 @@ def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows):
 
 def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                num_seqs, *, scale: float, layer=None, k_scale=None,
-                               v_scale=None, metadata: RaggedMetadata | None = None,
+                               v_scale=None, kv_dtype=None, metadata: RaggedMetadata | None = None,
                                chunk_tokens: int = CHUNK_TOKENS,
                                segment_rows: int = SEGMENT_ROWS):
     """Ragged paged attention over a block-paged KV pool: arguments, shapes and result as
@@ -218,12 +221,13 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
         layers (it is computed here otherwise), made with the same chunk_tokens and
         segment_rows.
       chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
-    k_scale, v_scale are those of the oracle: the scales of an int8 / float8 pool, or None.
+    k_scale, v_scale, kv_dtype are those of the oracle: the scales of an int8 / float8 pool, or
+    None; the values' type when the pool holds their bits, or None.
     """
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
         k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])
-    pool = (k_cache, v_cache, k_scale, v_scale)
+    pool = (k_cache, v_cache, k_scale, v_scale, kv_dtype)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

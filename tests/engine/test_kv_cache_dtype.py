@@ -18,6 +18,7 @@ from jaxkv.attention.kv_pool import dequantize, hadamard, quantize, rotate
 from jaxkv.attention.xla_ragged import xla_ragged_paged_attention
 from pallas_kernels import paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.validation import scale_values, view_as
 from jaxkv.step_input import StepInput
 from tests.conftest import TEST_ENGINE
 from tests.engine.test_hf_parity import PROMPTS
@@ -33,11 +34,16 @@ MORE = ["Give two tips for a job interview.", "What is 12 times 12?",
         "Describe the color blue to someone who cannot see.", "Why do cats purr?"]
 
 
+def _values(pool):
+    """The pool's K and V as float32, dequantized (bits viewed as the values' type)."""
+    scales = [None if s is None else scale_values(s) for s in (pool.k_scale, pool.v_scale)]
+    return tuple(dequantize(view_as(x, pool.dtype), s) for x, s in zip((pool.k, pool.v), scales))
+
+
 def _stored(pool, layer, blocks, n):
     """The first n token rows of `blocks` in `layer`, dequantized: float32 [n, nk, d]."""
-    k = pool.k[layer, blocks].reshape(-1, *pool.k.shape[3:])[:n]
-    ks = None if pool.k_scale is None else pool.k_scale[layer, blocks].reshape(-1, pool.k.shape[3])[:n]
-    return np.asarray(dequantize(k, ks))
+    k = _values(pool)[0][layer, blocks]
+    return np.asarray(k.reshape(-1, *k.shape[2:])[:n])
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
@@ -47,6 +53,7 @@ def test_write_round_trip_and_both_paths_read_like_the_oracle(name):
     L, nb, bs, nk, d, nq = 2, 12, 4, 2, 16, 4
     pool = new_kv_pool((L, nb, bs, nk, d), dt)
     assert (pool.k_scale is not None) == (name != "bfloat16")
+    assert pool.dtype == jnp.dtype(dt).name and pool.k.dtype.itemsize == jnp.dtype(dt).itemsize
     k = jnp.asarray(rng.standard_normal((10, nk, d)) * 3, jnp.float32)
     k = k.at[0, 0, 0].set(1e6).at[1, 1].set(0.0).at[2, 0].set(1e-30)  # outlier, zero, tiny
     v = jnp.asarray(rng.standard_normal((10, nk, d)), jnp.float32)
@@ -60,15 +67,15 @@ def test_write_round_trip_and_both_paths_read_like_the_oracle(name):
     if name != "bfloat16":
         # The outlier costs its own row only: the other head of that token keeps its precision.
         assert np.abs(got[0, 1] - want[0, 1]).max() <= ROW_ERROR[name] * np.abs(want[0, 1]).max()
-        assert float(pool.k_scale[1, 1, 0, 0]) > 0 and int(jnp.sum(pool.k_scale[0] != 0)) == 0
-    np.testing.assert_allclose(_stored(pool, 1, jnp.arange(1, 4), 10), got)  # layer 0 untouched
-    assert not np.asarray(pool.k[0].astype(jnp.float32)).any()
+        ks = scale_values(pool.k_scale)
+        assert float(ks[1, 1, 0, 0]) > 0 and int(jnp.sum(ks[0] != 0)) == 0
+    assert not np.asarray(_values(pool)[0][0]).any()
     # Attention over that pool: 2 sequences (a decode of context 7 and a 3-token chunk), then
     # the same two as a decode-only step (the Pallas decode kernel).
     q = jnp.asarray(rng.standard_normal((4, nq, d)), jnp.float32)
     tables = jnp.asarray([[1, 2, 0], [2, 3, 0]], jnp.int32)
     lens, n = jnp.asarray([7, 8], jnp.int32), jnp.asarray([2], jnp.int32)
-    scales = dict(k_scale=pool.k_scale, v_scale=pool.v_scale)
+    scales = dict(k_scale=pool.k_scale, v_scale=pool.v_scale, kv_dtype=pool.dtype)
     for rows, qsl in ((4, [0, 1, 4]), (2, [0, 1, 2])):
         qq, qsl = q[:rows], jnp.asarray(qsl, jnp.int32)
         ref = ragged_paged_attention_reference(qq, pool.k, pool.v, tables, lens, qsl, n,
@@ -80,11 +87,27 @@ def test_write_round_trip_and_both_paths_read_like_the_oracle(name):
         np.testing.assert_allclose(np.asarray(xla), np.asarray(ref), atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(np.asarray(pal), np.asarray(ref), atol=2e-5, rtol=2e-5)
     # The oracle dequantizes: against a float32 pool holding the dequantized values it agrees.
-    deq = KVPool(dequantize(pool.k, pool.k_scale), dequantize(pool.v, pool.v_scale))
+    deq = KVPool(*_values(pool))
     np.testing.assert_allclose(
         np.asarray(ragged_paged_attention_reference(qq, deq.k, deq.v, tables, lens, qsl, n,
                                                     scale=0.25, layer=1)),
         np.asarray(ref), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_the_write_is_in_place_for_every_dtype(name):
+    """The slot-mapping write into a donated pool of any dtype needs no pool-sized scratch
+    (XLA:CPU would convert a whole bfloat16 / float8 array to float32 around a scatter: the
+    pool therefore holds those as bits)."""
+    def temp_bytes(num_blocks):
+        pool = new_kv_pool((2, num_blocks, 16, 3, 64), DTYPES[name])
+        k = jnp.zeros((8, 3, 64), jnp.float32)
+        write = jax.jit(lambda p, k, s: write_kv(p, k, k, s, 1), donate_argnums=(0,))
+        mem = write.lower(pool, k, jnp.arange(8, dtype=jnp.int32)).compile().memory_analysis()
+        return mem.temp_size_in_bytes, mem.alias_size_in_bytes, pool
+    small, large = temp_bytes(64), temp_bytes(1024)
+    assert small[0] == large[0] < 64 * 16 * 3 * 64  # scratch: not the pool's, nor a layer's
+    assert large[1] == sum(x.nbytes for x in jax.tree.leaves(large[2]))  # every array aliased
 
 
 def test_kernels_refuse_bad_scales():
@@ -103,6 +126,10 @@ def test_kernels_refuse_bad_scales():
     with pytest.raises(ValueError, match="int8 or float8 pool"):
         paged_attention(q, f32.k, f32.v, tables, lens, scale=0.25, layer=0, interpret=True,
                         k_scale=pool.k_scale, v_scale=pool.v_scale)
+    bf16 = new_kv_pool((1, 4, 4, 2, 16), jnp.bfloat16)  # held as uint16 bits
+    with pytest.raises(ValueError, match="kv_dtype"):
+        paged_attention(q, bf16.k, bf16.v, tables, lens, scale=0.25, layer=0, interpret=True,
+                        kv_dtype="float8_e4m3fn")  # not the bits' width
 
 
 def test_plan_capacity():
@@ -154,7 +181,7 @@ def _divergences(got, ref):
 def test_greedy_tokens_stay_those_of_float32(name, reference):
     convs, sp, ref = reference
     llm = LLM(kv_cache_dtype=name, **TEST_ENGINE)
-    assert llm.llm_engine.runner.kv_cache.k.dtype == DTYPES[name]
+    assert llm.llm_engine.runner.kv_cache.dtype == jnp.dtype(DTYPES[name]).name
     got = llm.chat(convs, sp, use_tqdm=False)
     margins = _divergences(got, ref)
     diffs = [abs(a.outputs[0].logprobs[0][t].logprob - lp.logprob)

@@ -68,3 +68,29 @@ def test_lowering_check_can_fail():
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(x))
     with pytest.raises(Exception, match="power of 2"):
         lower_for_h200(f, jax.ShapeDtypeStruct((12,), jnp.float32))
+
+
+# Quantized and bit-stored pools as jaxkv keeps them (jaxkv/attention/kv_pool.py): the pool's
+# array type, the values' type (kv_dtype), and whether per-token scales (bfloat16 bits) come.
+POOLS = [(jnp.int8, None, True), (jnp.uint16, "bfloat16", False),
+         (jnp.uint8, "float8_e4m3fn", True), (jnp.uint8, "float8_e5m2", True)]
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype,kv_dtype,scaled", POOLS)
+def test_kernels_lower_with_quantized_and_bit_pools(pool_dtype, kv_dtype, scaled, q_dtype):
+    s = shapes(pool_dtype, 3, 64, 16)
+    sd = jax.ShapeDtypeStruct
+    scale = sd(s["k"].shape[:-1], jnp.uint16) if scaled else None
+    q = sd(s["q"].shape, q_dtype)
+    kw = dict(scale=0.125, kv_dtype=kv_dtype)
+    ragged = jax.jit(lambda q, k, v, ks, vs, bt, sl, qsl, ns, layer: ragged_paged_attention(
+        q, k, v, bt, sl, qsl, ns, layer=layer, k_scale=ks, v_scale=vs, **kw))
+    text = lower_for_h200(ragged, q, s["k"], s["v"], scale, scale, s["bt"], s["sl"], s["qsl"],
+                          s["ns"], s["layer"])
+    assert text.count(TRITON_CALL) == 1
+    qd = sd((5,) + q.shape[1:], q_dtype)
+    decode = jax.jit(lambda q, k, v, ks, vs, bt, sl, layer: paged_attention(
+        q, k, v, bt, sl, layer=layer, k_scale=ks, v_scale=vs, num_splits=2, **kw))
+    text = lower_for_h200(decode, qd, s["k"], s["v"], scale, scale, s["bt"], s["sl"], s["layer"])
+    assert text.count(TRITON_CALL) == 1

@@ -16,14 +16,14 @@ def _memory(r, t, kv):
 
 def test_step_updates_the_pool_in_place(llm):
     r = llm.llm_engine.runner
-    layer_bytes = r.kv_cache[0].nbytes // r.kv_cache[0].shape[0]
+    layer_bytes = r.kv_cache.k.nbytes // r.kv_cache.k.shape[0]
     bigger = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], 3 * x.shape[1]) + x.shape[2:],
                                                          x.dtype), r.kv_cache)
     for t in (r.token_buckets[0], r.token_buckets[-1]):
         mem = _memory(r, t, r.kv_cache)
         # The outputs alias the donated pool (K and V), and the step's scratch does not grow
         # with the pool: nothing pool-sized is copied.
-        assert mem.alias_size_in_bytes >= 2 * r.kv_cache[0].nbytes
+        assert mem.alias_size_in_bytes >= 2 * r.kv_cache.k.nbytes
         assert _memory(r, t, bigger).temp_size_in_bytes == mem.temp_size_in_bytes
     # For the decode bucket all temporaries together are smaller than one layer's K cache.
     assert _memory(r, r.token_buckets[0], r.kv_cache).temp_size_in_bytes < layer_bytes
@@ -35,4 +35,4 @@ def test_step_updates_the_pool_in_place(llm):
     jax.block_until_ready(r.kv_cache)
     assert all(x.is_deleted() for x in jax.tree.leaves(old))
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(r.kv_cache)] == ptrs
-    assert np.isfinite(np.asarray(r.kv_cache[0][:, :2])).all()
+    assert np.isfinite(np.asarray(r.kv_cache.k[:, :2])).all()
