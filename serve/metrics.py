@@ -1,4 +1,7 @@
-"""Prometheus metrics for GET /metrics, with vLLM's names under the `jaxkv:` prefix.
+"""Prometheus metrics for GET /metrics, with vLLM's names under the `jaxkv:` prefix
+(`--metrics-prefix vllm` gives vLLM's own names, for routers that read them, e.g. the
+Kubernetes inference gateway: num_requests_waiting, num_requests_running,
+kv_cache_usage_perc, cache_config_info).
 
 Names, meanings and histogram bucket edges follow vLLM's V1 PrometheusStatLogger
 (vllm/v1/metrics/loggers.py). Gauges and counters are read from the engine's stats at scrape
@@ -9,8 +12,22 @@ counter are fed from RequestOutput.metrics on the engine thread after every step
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+DEFAULT_PREFIX = "jaxkv"
+_PREFIX = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def check_metrics_prefix(prefix: str) -> str:
+    """The prefix of every series name (before the colon): a Prometheus name part. ValueError
+    naming --metrics-prefix otherwise."""
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise ValueError(f"--metrics-prefix must be letters, digits and underscores, not starting "
+                         f"with a digit (e.g. jaxkv or vllm), got {prefix!r}")
+    return prefix
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -54,44 +71,66 @@ _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache quer
 
 
 class _EngineCollector:
-    def __init__(self, stats_fn, model_name: str):
-        self.stats_fn, self.model_name = stats_fn, model_name
+    def __init__(self, stats_fn, model_name: str, prefix: str, cache_info: dict | None):
+        self.stats_fn, self.model_name, self.prefix = stats_fn, model_name, prefix
+        self.cache_info = cache_info
 
     def collect(self):
+        p = self.prefix
         s = self.stats_fn()
         if s is None:
             return
+        if self.cache_info is not None:  # an info gauge, value 1, as vLLM's cache_config_info
+            info = {**self.cache_info, "num_gpu_blocks": s.num_total_blocks}
+            g = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the LLMEngine "
+                                  "CacheConfig", labels=list(info))
+            g.add_metric([str(v) for v in info.values()], 1.0)
+            yield g
         for name, field, doc in _GAUGES:
-            g = GaugeMetricFamily(f"jaxkv:{name}", doc, labels=["model_name"])
+            g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(s, field)))
             yield g
         spec = bool(s.spec_decode_num_accepted_tokens_per_pos)  # speculative decoding is on
         for name, field, doc in _COUNTERS:
             if name.startswith("spec_decode") and not spec:
                 continue  # as vLLM: the spec_decode series exist only when it is on
-            c = CounterMetricFamily(f"jaxkv:{name}", doc, labels=["model_name"])
+            c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(s, field)))
             yield c
         if spec:
-            c = CounterMetricFamily("jaxkv:spec_decode_num_accepted_tokens_per_pos", "Accepted "
+            c = CounterMetricFamily(f"{p}:spec_decode_num_accepted_tokens_per_pos", "Accepted "
                                     "tokens per draft position.", labels=["model_name", "position"])
             for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
                 c.add_metric([self.model_name, str(pos)], float(n))
             yield c
 
 
+def cache_config_info(args) -> dict:
+    """The static labels of cache_config_info from EngineArgs (vLLM's CacheConfig fields that
+    jaxkv has). num_gpu_blocks (the usable blocks, what a router reads with block_size) is
+    added from the engine's stats at every scrape."""
+    return {"block_size": args.block_size, "cache_dtype": args.kv_cache_dtype,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "num_gpu_blocks_override": args.num_gpu_blocks_override}
+
+
 class PrometheusStatLogger:
     """`registry` holds every series; `stats_fn()` returns the current EngineStats (or None
-    before the engine exists). `record(outputs)` is the AsyncLLM stat-logger hook."""
+    before the engine exists). `record(outputs)` is the AsyncLLM stat-logger hook.
+    prefix: the series names' prefix (check_metrics_prefix). cache_info: the labels of the
+    `<prefix>:cache_config_info` gauge (cache_config_info(...)), or None for no such series."""
 
-    def __init__(self, stats_fn, model_name: str, max_model_len: int = 8192):
+    def __init__(self, stats_fn, model_name: str, max_model_len: int = 8192, *,
+                 prefix: str = DEFAULT_PREFIX, cache_info: dict | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(stats_fn, model_name))
+        p = self.prefix = check_metrics_prefix(prefix)
+        self.registry.register(_EngineCollector(stats_fn, model_name, p, cache_info))
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets):
-            return Histogram(f"jaxkv:{name}", doc, buckets=buckets, labelnames=labels,
+            return Histogram(f"{p}:{name}", doc, buckets=buckets, labelnames=labels,
                              registry=self.registry).labels(model_name)
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in "
                          "seconds.", TTFT_BUCKETS)
@@ -107,10 +146,10 @@ class PrometheusStatLogger:
                                    "processed.", tokens)
         self.tpot = hist("request_time_per_output_token_seconds", "Histogram of "
                          "time_per_output_token_seconds per request.", TPOT_BUCKETS)
-        self.success = Counter("jaxkv:request_success", "Count of finished requests, by "
+        self.success = Counter(f"{p}:request_success", "Count of finished requests, by "
                                "finish reason.", labelnames=["model_name", "finished_reason"],
                                registry=self.registry)
-        self.prompt_tokens = Counter("jaxkv:prompt_tokens", "Number of prefill tokens processed "
+        self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Number of prefill tokens processed "
                                      "(counted when a request's prefill is done).",
                                      labelnames=labels, registry=self.registry).labels(model_name)
         self._last_token: dict[str, float] = {}

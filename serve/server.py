@@ -32,7 +32,7 @@ def run_server(ns) -> int:
     from jaxkv.models.model_config import ModelConfig
     from serve.app import build_app
     from serve.context import ServerContext
-    from serve.metrics import PrometheusStatLogger
+    from serve.metrics import PrometheusStatLogger, cache_config_info, check_metrics_prefix
 
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"two models given: {ns.model_tag!r} (positional) and --model {ns.model!r}")
@@ -40,6 +40,7 @@ def run_server(ns) -> int:
     if ns.port is not None and not 0 <= ns.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     args = EngineArgs.from_cli_args(ns)  # validates every engine flag
+    check_metrics_prefix(ns.metrics_prefix)
     hf_config = read_config(args.model)  # a missing or unreadable model fails here, in one line
     setup_logging()
     from prometheus_client import disable_created_metrics
@@ -54,7 +55,8 @@ def run_server(ns) -> int:
                         created=int(time.time()))
     max_model_len = args.max_model_len or ModelConfig.from_hf_config(hf_config).max_position_embeddings
     metrics = PrometheusStatLogger(lambda: ctx.engine.stats() if ctx.engine is not None else None,
-                                   ctx.model_name, max_model_len)
+                                   ctx.model_name, max_model_len, prefix=ns.metrics_prefix,
+                                   cache_info=cache_config_info(args))
     app = build_app(ctx, metrics)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info",
                             timeout_graceful_shutdown=5, access_log=not ns.disable_uvicorn_access_log)
@@ -101,6 +103,9 @@ def add_serve_parser(sub) -> None:
                    help="a Jinja chat template (a file, or the template inline) for "
                    "/v1/chat/completions instead of the tokenizer's own")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    s.add_argument("--metrics-prefix", default="jaxkv",
+                   help="prefix of the /metrics series names (default jaxkv; vllm gives vLLM's "
+                   "own names, for routers that read them)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     EngineArgs.add_cli_args(s)
     s.set_defaults(func=run_server)

@@ -1,6 +1,7 @@
 """Series of /metrics checked without a server: the speculative-decoding counters (vLLM's
-spec_decode_* under the jaxkv prefix, read from EngineStats at scrape time) and the per-request
-token and time-per-output-token histograms (vLLM's names and bucket edges)."""
+spec_decode_* under the jaxkv prefix, read from EngineStats at scrape time), the per-request
+token and time-per-output-token histograms (vLLM's names and bucket edges), and
+--metrics-prefix with the cache_config_info gauge (what a Kubernetes inference gateway reads)."""
 
 from dataclasses import replace
 
@@ -10,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.test_stat_logger import IDLE
-from serve.metrics import PrometheusStatLogger
+from serve.metrics import PrometheusStatLogger, cache_config_info, check_metrics_prefix
 
 
 def scrape(stats) -> dict:
@@ -58,3 +59,28 @@ def test_request_token_and_tpot_histograms():
     assert m[("jaxkv:request_generation_tokens_bucket", "1.0")] == 1
     assert m[("jaxkv:request_time_per_output_token_seconds_sum", None)] == pytest.approx(0.1)  # 1 s / 10, and 0
     assert m[("jaxkv:request_time_per_output_token_seconds_count", None)] == 2
+
+
+def test_metrics_prefix_renames_every_series_and_cache_config_info():
+    from jaxkv.config import EngineArgs
+
+    def names(prefix):
+        lg = PrometheusStatLogger(lambda: IDLE, "m", prefix=prefix,
+                                  cache_info=cache_config_info(EngineArgs(block_size=32)))
+        text = generate_latest(lg.registry).decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    ours, theirs = names("jaxkv"), names("vllm")
+    assert ours and all(n.startswith("jaxkv:") for n in ours)
+    assert {n.replace("jaxkv:", "vllm:", 1) for n in ours} == set(theirs)
+    # What the gateway routes by (gateway-api-inference-extension's vLLM defaults):
+    for n in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc",
+              "cache_config_info"):
+        assert f"vllm:{n}" in theirs, n
+    (info,) = theirs["vllm:cache_config_info"].samples
+    assert info.value == 1.0
+    assert info.labels["block_size"] == "32" and info.labels["cache_dtype"] == "auto"
+    assert info.labels["num_gpu_blocks"] == str(IDLE.num_total_blocks)
+    for bad in ("", "1x", "vllm:", "a-b", None):
+        with pytest.raises(ValueError, match="--metrics-prefix"):
+            check_metrics_prefix(bad)

@@ -16,6 +16,7 @@ from serve.server import served_model_name
     (["--port", "70000"], "--port"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--block-size", "x"], "--block-size"),
+    (["--metrics-prefix", "vllm:x"], "--metrics-prefix"),
 ])
 def test_bad_serve_flags_give_one_line(argv, words):
     p = subprocess.run([sys.executable, "-m", "jaxkv.cli", "serve", *argv], capture_output=True,
