@@ -18,8 +18,8 @@ from jaxkv.core.kv_budget import parse_bytes
 from jaxkv.core.spec_decode import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM; float8 pools
-# are stored unscaled, as vLLM's fp8 KV cache without calibrated scales).
+# vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM), plus int8;
+# the one-byte ones carry a scale per token and KV head (jaxkv/attention/kv_pool.py).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")

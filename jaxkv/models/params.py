@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention.kv_pool import KVPool
+from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.step_input import StepInput
 
@@ -28,11 +28,13 @@ _LAYER_MAP = {  # flax module -> (HF suffix, transpose)
 def param_shapes(model) -> dict:
     """The parameter tree of `model` as jax.ShapeDtypeStruct, without allocating anything."""
     c = model.cfg
-    kv = jax.ShapeDtypeStruct((c.num_layers, 2, 1, c.num_kv_heads, c.head_dim), model.dtype)
+    # A pool of the weights' dtype, laid out as the runner's (bfloat16 held as bits).
+    pool = jax.eval_shape(lambda: new_kv_pool((c.num_layers, 2, 1, c.num_kv_heads, c.head_dim),
+                                              model.dtype))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     step = StepInput(i32(1), i32(1), i32(1), i32(1, 1), i32(1), i32(2), i32(1), i32(1))
     shapes = jax.eval_shape(lambda step, kv: model.init(
-        jax.random.PRNGKey(0), step, kv, method=type(model).forward_and_logits), step, KVPool(kv, kv))
+        jax.random.PRNGKey(0), step, kv, method=type(model).forward_and_logits), step, pool)
     return shapes["params"]
 
 

@@ -5,6 +5,7 @@ HF-folder loader, and run through the paged KV pool three ways: one-shot prefill
 prefill, and token-by-token decode.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -93,6 +94,30 @@ def test_logits_match_transformers(arch):
         err = np.max(np.abs(got - ref))
         assert err < 1e-4, f"{name} chunks={chunks[:3]}...: max |logit diff| {err}"
 
+
+
+@pytest.mark.parametrize("dtype,storage", [("bfloat16", "uint16"), ("float16", "float16")])
+def test_half_precision_weights_track_float32(dtype, storage, tmp_path):
+    """Weights (and so the KV pool) in bfloat16 / float16, the GPU's default: the engine
+    builds (a bfloat16 pool is held as uint16 bits) and its logits stay within the dtype's
+    rounding of transformers' float32 ones, through prefill and decode."""
+    hf = make_hf("llama", tmp_path)
+    ckpt = load_hf_dir(str(tmp_path))
+    mc = ModelConfig.from_hf_config(ckpt.config)
+    model = LlamaModel(mc, dtype=getattr(jnp, dtype))
+    params = params_from_tensors(model, ckpt.tensors)
+    config = EngineArgs(dtype=dtype, block_size=BLOCK, num_gpu_blocks_override=64,
+                        max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                        token_buckets=(8, 32, 64), max_logprobs=0).create_engine_config(
+                            platform="cpu", model_config=mc)
+    runner = ModelRunner(model, params, config)
+    assert runner.kv_cache.dtype == dtype and runner.kv_cache.k.dtype == storage
+    ids = np.random.default_rng(1).integers(0, COMMON["vocab_size"], 24).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = run_paged(runner, ids, [16] + [1] * 8, list(range(1, 8)))
+    err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+    assert err < (0.05 if dtype == "bfloat16" else 0.01), err
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
