@@ -104,7 +104,7 @@ def add_serve_parser(sub) -> None:
                    "/v1/chat/completions instead of the tokenizer's own")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     s.add_argument("--metrics-prefix", default="jaxkv",
-                   help="prefix of the /metrics series names (default jaxkv; vllm gives vLLM's "
+                   help="prefix of the /metrics series names (default: jaxkv; vllm gives vLLM's "
                    "own names, for routers that read them)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     EngineArgs.add_cli_args(s)

@@ -12,7 +12,8 @@ STATE_NAMES = {NULL: "null", FREE: "free", CACHED: "cached", IN_USE: "in use", S
 
 
 def kv_cache_snapshot(engine) -> dict:
-    """{"block_size", "num_blocks" (the null block 0 included), "states": [int per block],
+    """{"block_size", "kv_cache_dtype" (the pool's values' dtype), "bytes_per_token",
+    "num_blocks" (the null block 0 included), "states": [int per block],
     "ref_cnts": [int per block], "counts": {state name: blocks}, "requests": [{"request_id",
     "status", "num_computed_tokens", "num_tokens", "block_ids"} for every request holding
     blocks], "stats": EngineStats as a dict}. free: no holder, no hash; cached: no holder,
@@ -37,6 +38,9 @@ def kv_cache_snapshot(engine) -> dict:
         requests.append({"request_id": rid, "status": req.status.name.lower(),
                          "num_computed_tokens": req.num_computed_tokens,
                          "num_tokens": req.num_tokens, "block_ids": list(blocks)})
-    return {"block_size": kv.block_size, "num_blocks": len(states), "states": states,
+    cfg = engine.config
+    return {"block_size": kv.block_size, "kv_cache_dtype": cfg.runner.kv_cache_dtype,
+            "bytes_per_token": cfg.cache.budget.bytes_per_token, "num_blocks": len(states),
+            "states": states,
             "ref_cnts": refs, "counts": {STATE_NAMES[s]: states.count(s) for s in STATE_NAMES},
             "requests": requests, "stats": engine.stats().to_dict()}

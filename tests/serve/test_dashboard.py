@@ -49,6 +49,7 @@ def snapshot(server):
 
 def check(snap):
     s, k, states = snap["stats"], snap["counts"], snap["states"]
+    assert snap["kv_cache_dtype"] == "float32" and snap["bytes_per_token"] == 46080
     assert snap["num_blocks"] == s["num_total_blocks"] + 1 and states[0] == 0 and k["null"] == 1
     assert k["free"] + k["cached"] == s["num_free_blocks"]
     assert k["in use"] + k["shared"] == s["num_total_blocks"] - s["num_free_blocks"]
@@ -97,6 +98,8 @@ def test_dashboard_in_a_real_browser(server):
         t.join()
     assert shown(during, "used") > 0 and shown(during, "running") > 0
     assert shown(during, "total") == snapshot(server)["stats"]["num_total_blocks"]
+    assert re.search(r'<small id="model">\d+ blocks of 16 tokens, float32, 46,080 bytes per '
+                     r'token</small>', during), during[:600]
     assert shot.is_file() and shot.stat().st_size > 10_000
     assert wait_until(lambda: check(snapshot(server)) == 0)
     after = dump_dom(page)
