@@ -105,8 +105,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales,
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, layer=None,
                     k_scale=None, v_scale=None, kv_dtype=None, block_k: int = DEFAULT_BLOCK_K,
-                    num_splits: int = 1, num_warps: int = 4,
-                    num_stages: int = 2, interpret: bool = False):
+                    num_splits: int = 1, num_warps: int = 4, num_stages: int = 2,
+                    interpret: bool = False):
     """Decode attention: one query token per sequence over its paged context.
 
     Args:
@@ -145,10 +145,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
     val.check_positive("num_splits", num_splits)
     val.check_launch(num_warps, num_stages)
     scale = val.check_scale(scale)
-    if k_cache.ndim == 4:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-        scales = scales and tuple(x[None] for x in scales)
+    k_cache, v_cache, layer, scales, kv_dtype = val.as_stacked(k_cache, v_cache, layer, scales,
+                                                               kv_dtype)
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, jnp.asarray(layer),
                             scales, scale=scale, block_k=block_k, num_splits=num_splits,
                             num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
-                   kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name)
+                            kv_dtype=kv_dtype)

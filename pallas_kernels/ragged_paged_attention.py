@@ -128,8 +128,8 @@ def _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_se
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                           *, scale: float, layer=None, k_scale=None, v_scale=None, kv_dtype=None,
-                           block_m: int = DEFAULT_BLOCK_M,
+                           *, scale: float, layer=None, k_scale=None, v_scale=None,
+                           kv_dtype=None, block_m: int = DEFAULT_BLOCK_M,
                            block_k: int = DEFAULT_BLOCK_K, num_warps: int = 4,
                            num_stages: int = 2, interpret: bool = False):
     """Ragged paged attention (prefill chunks and decodes together) over a block-paged pool.
@@ -178,10 +178,9 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     val.check_knob("block_k", block_k)
     val.check_launch(num_warps, num_stages)
     scale = val.check_scale(scale)
-    if k_cache.ndim == 4:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-        scales = scales and tuple(x[None] for x in scales)
+    k_cache, v_cache, layer, scales, kv_dtype = val.as_stacked(k_cache, v_cache, layer, scales,
+                                                               kv_dtype)
     return _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
                    jnp.asarray(layer), scales, scale=scale, block_m=block_m, block_k=block_k,
                    num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
-                   kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name)
+                   kv_dtype=kv_dtype)

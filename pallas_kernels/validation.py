@@ -42,6 +42,8 @@ def view_as(x, dtype):
 def scale_values(s):
     """Loaded scales as a float type: uint16 bits are bfloat16's."""
     return view_as(s, jnp.bfloat16) if s.dtype == jnp.uint16 else s
+
+
 MIN_DOT_DIM = 16
 
 
@@ -103,17 +105,18 @@ def check_pool(q, k_cache, v_cache, layer, kv_dtype=None) -> tuple[int, int, int
     if getattr(v_cache, "shape", None) != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got "
                          f"{getattr(v_cache, 'shape', None)}")
+    kv_names = [jnp.dtype(d).name for d in KV_DTYPES]
     if kv_dtype is not None and (
-            jnp.dtype(kv_dtype) not in [jnp.dtype(d) for d in KV_DTYPES]
-            or jnp.dtype(k_cache.dtype) not in [jnp.dtype(kv_dtype)] + [jnp.dtype(d) for d in BIT_DTYPES]
+            jnp.dtype(kv_dtype).name not in kv_names
+            or jnp.dtype(k_cache.dtype) not in [jnp.dtype(d) for d in (kv_dtype, *BIT_DTYPES)]
             or jnp.dtype(k_cache.dtype).itemsize != jnp.dtype(kv_dtype).itemsize):
-        raise ValueError(f"kv_dtype {kv_dtype!r} must be one of {[jnp.dtype(d).name for d in KV_DTYPES]} "
-                         f"and the pool ({k_cache.dtype}) of that type or its bits (same width)")
+        raise ValueError(f"kv_dtype {kv_dtype!r} must be one of {kv_names} and the pool "
+                         f"({k_cache.dtype}) of that type or its bits (same width)")
     values = jnp.dtype(kv_dtype if kv_dtype is not None else k_cache.dtype)
-    if k_cache.dtype != v_cache.dtype or values not in [jnp.dtype(d) for d in KV_DTYPES]:
-        raise ValueError(f"k_cache and v_cache must share one dtype of {[jnp.dtype(d).name for d in KV_DTYPES]} "
-                         f"(the kernels cast each loaded block to q's dtype), got {k_cache.dtype} "
-                         f"and {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or values.name not in kv_names:
+        raise ValueError(f"k_cache and v_cache must share one dtype of {kv_names} (the kernels "
+                         f"cast each loaded block to q's dtype), got {k_cache.dtype} and "
+                         f"{v_cache.dtype}")
     if k_cache.ndim == 5:
         if layer is None:
             raise ValueError("layer is required with a stacked [num_layers, ...] k_cache")
@@ -153,10 +156,19 @@ def check_scales(k_cache, k_scale, v_scale, kv_dtype=None):
     for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
         if getattr(x, "shape", None) != k_cache.shape[:-1] or jnp.dtype(x.dtype) not in [
                 jnp.dtype(d) for d in FLOAT_DTYPES + (jnp.uint16,)]:
-            raise ValueError(f"{name} must be float (or uint16 bits of bfloat16) {k_cache.shape[:-1]} (the pool's shape "
-                             f"without head_dim), got {getattr(x, 'dtype', None)} of shape "
-                             f"{getattr(x, 'shape', None)}")
+            raise ValueError(f"{name} must be float (or uint16 bits of bfloat16) "
+                             f"{k_cache.shape[:-1]} (the pool's shape without head_dim), got "
+                             f"{getattr(x, 'dtype', None)} of shape {getattr(x, 'shape', None)}")
     return k_scale, v_scale
+
+
+def as_stacked(k_cache, v_cache, layer, scales, kv_dtype):
+    """What a kernel is launched with: a 4-D pool (and its scales) given a layer axis of 1 with
+    layer 0, and kv_dtype as a name (a static jit argument) or None."""
+    if k_cache.ndim == 4:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        scales = scales and tuple(x[None] for x in scales)
+    return k_cache, v_cache, layer, scales, None if kv_dtype is None else jnp.dtype(kv_dtype).name
 
 
 def check_tables(block_tables, seq_lens) -> int:

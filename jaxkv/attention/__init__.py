@@ -50,7 +50,8 @@ def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         group = q.shape[1] // k_cache.shape[-2]  # a tile holds at least one token's group
         return ragged_kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                              num_seqs, scale=scale, layer=layer, k_scale=k_scale,
-                             v_scale=v_scale, kv_dtype=kv_dtype, interpret=interpret, block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
+                             v_scale=v_scale, kv_dtype=kv_dtype, interpret=interpret,
+                             block_m=max(DEFAULT_BLOCK_M, next_pow2(group)))
     rows = min(q.shape[0], block_tables.shape[0])
     lens = jnp.where(jnp.arange(rows) < num_seqs[0], seq_lens[:rows], 0)  # padding rows -> 0
     out = decode_kernel(q[:rows], k_cache, v_cache, block_tables[:rows], lens, scale=scale,

@@ -33,6 +33,7 @@ the values held as 16-bit integers. `KVPool.dtype` names the values' type.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -101,15 +102,19 @@ def dequantize(values, scale):
     return values.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
+@functools.lru_cache(maxsize=None)
 def hadamard(n: int) -> np.ndarray:
     """The orthonormal n x n rotation of an int8 pool, float32: Sylvester's Hadamard matrix
     over blocks of the largest power of two dividing n (block-diagonal when n is not a power
-    of two, e.g. 5 blocks of 16 for n = 80), scaled to be orthonormal and symmetric."""
+    of two, e.g. 5 blocks of 16 for n = 80), scaled to be orthonormal and symmetric. Built once
+    per n (read-only)."""
     b = n & -n  # the largest power of two dividing n
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < b:
         h = np.block([[h, h], [h, -h]])
-    return np.kron(np.eye(n // b, dtype=np.float32), h / np.sqrt(b, dtype=np.float32))
+    out = np.kron(np.eye(n // b, dtype=np.float32), h / np.sqrt(b, dtype=np.float32))
+    out.flags.writeable = False
+    return out
 
 
 def is_rotated(pool: KVPool) -> bool:

@@ -153,8 +153,8 @@ def _load(cache, scales, kv_dtype, layer, blk, shape):
 
 def _row_attention(qf, pool, layer, tables, ctx, cb, block_size):
     """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys, gathered
-    per row from the pool (k, v, k_scale, v_scale, kv_dtype) in chunks of cb blocks; the trip count
-    follows the longest ctx."""
+    per row from the pool (k, v, k_scale, v_scale, kv_dtype) in chunks of cb blocks; the trip
+    count follows the longest ctx."""
     rows, nk, g, d = qf.shape
     ct = cb * block_size
     k_cache, v_cache, k_scale, v_scale, kv_dtype = pool

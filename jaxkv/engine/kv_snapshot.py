@@ -41,6 +41,6 @@ def kv_cache_snapshot(engine) -> dict:
     cfg = engine.config
     return {"block_size": kv.block_size, "kv_cache_dtype": cfg.runner.kv_cache_dtype,
             "bytes_per_token": cfg.cache.budget.bytes_per_token, "num_blocks": len(states),
-            "states": states,
-            "ref_cnts": refs, "counts": {STATE_NAMES[s]: states.count(s) for s in STATE_NAMES},
+            "states": states, "ref_cnts": refs,
+            "counts": {STATE_NAMES[s]: states.count(s) for s in STATE_NAMES},
             "requests": requests, "stats": engine.stats().to_dict()}
