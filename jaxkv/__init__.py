@@ -5,10 +5,11 @@
 
 from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind"]
+           "RequestOutputKind", "StructuredOutputsParams"]
 
 
 def __getattr__(name):

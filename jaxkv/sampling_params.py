@@ -13,6 +13,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from jaxkv.structured_outputs import StructuredOutputsParams
+
 # vLLM's _SAMPLING_EPS: temperatures below this are treated as greedy (argmax).
 _SAMPLING_EPS = 1e-5
 
@@ -119,6 +121,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     """Words never generated (vLLM's bad_words): each, with and without a leading space, is
     tokenized; the last token of its ids is banned wherever the output ends with the others."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """The output must match a JSON schema, regex, choice or grammar (vLLM's
+    StructuredOutputsParams; a dict of its fields is accepted). Enforced token by token."""
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -226,6 +231,12 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 _fail("bad_words", "must contain only non-empty strings", self.bad_words)
+
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
 
         if not isinstance(self.output_kind, RequestOutputKind):
             _fail("output_kind", "must be a RequestOutputKind", self.output_kind)

@@ -67,6 +67,8 @@ class Request:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     cumulative_logprob: float | None = None
+    # Structured outputs: this sequence's grammar matcher (jaxkv.core.structured_output).
+    grammar: Any = None
 
     def __post_init__(self):
         if self.eos_token_ids is None:

@@ -31,6 +31,7 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
+from .structured_output import wait_for_any
 
 if TYPE_CHECKING:
     from jaxkv.engine_config import SchedulerConfig
@@ -51,6 +52,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0
         self.proposer = NgramProposer(speculative) if speculative else None
+        # Set by the engine build: fills the grammar bitmasks of constrained rows.
+        self.structured_output_manager = None
         self.spec_stats = (SpecDecodingStats(speculative.num_speculative_tokens)
                            if speculative else None)
         # Journal of the step being scheduled: (request, was running, prefix lookup counted
@@ -113,6 +116,10 @@ class Scheduler:
 
         budget = self._schedule_waiting(chosen, budget, preempted, now)
         if not chosen and not self.running and self.waiting:
+            compiling = [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.ready]
+            if compiling:  # nothing else to run: wait a little for a grammar, run nothing
+                wait_for_any(compiling, timeout=0.05)
+                return SchedulerOutput([], preempted)
             # Only forked children (n > 1) hold blocks while waiting; if they starve the head
             # of the queue, they give their shared blocks back and recompute (or hit the cache).
             for req in self.waiting:
@@ -129,7 +136,17 @@ class Scheduler:
         if self.proposer and budget > 0 and (limit is None or len(self.running) < limit):
             drafts = self._propose_drafts(chosen, budget)
         scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
+        self._fill_grammar_bitmasks(chosen, scheduled)
         return SchedulerOutput(scheduled, preempted)
+
+    def _fill_grammar_bitmasks(self, chosen, scheduled) -> None:
+        """Each constrained sequence that samples this step gets its allowed-token row."""
+        rows = [(s, req.grammar) for (req, _), s in zip(chosen, scheduled)
+                if s.sample and req.grammar is not None and req.grammar.matcher is not None]
+        if rows:
+            masks = self.structured_output_manager.fill_bitmasks([g for _, g in rows])
+            for (s, _), m in zip(rows, masks):
+                s.grammar_bitmask = m
 
     def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft
@@ -138,8 +155,8 @@ class Scheduler:
         for i, (req, n) in enumerate(chosen):
             if budget <= 0:
                 break
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue  # a prompt chunk
+            if req.num_tokens - req.num_computed_tokens != 1 or req.grammar is not None:
+                continue  # a prompt chunk, or a constrained request (no drafts)
             k = min(self.proposer.k, budget, req.max_tokens - req.num_output_tokens - 1,
                     self.config.max_model_len - req.num_tokens)
             draft = self.proposer.propose(req.all_token_ids, k) if k > 0 else []
@@ -150,16 +167,19 @@ class Scheduler:
         return drafts
 
     def _schedule_waiting(self, chosen, budget, preempted, now) -> int:
-        """Admit waiting requests in FCFS order while budget, seats and blocks last."""
+        """Admit waiting requests in FCFS order while budget, seats and blocks last; a
+        request whose grammar is still compiling is passed over (vLLM's WAITING_FOR_FSM)."""
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
+            if req is None:
+                break
             hit_blocks, num_hit = [], 0
             if req.num_computed_tokens == 0:  # a forked child already holds shared blocks
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             lookup = None
             if req.num_cached_tokens < 0:  # first admission: count the prefix-cache lookup
                 req.num_cached_tokens = num_hit
@@ -239,6 +259,8 @@ class Scheduler:
             upd = RequestUpdate(req, [], start)
             for token in tokens:
                 req.append_output_token(token)
+                if req.grammar is not None:
+                    req.grammar.accept(token)
                 upd.new_token_ids.append(token)
                 if req.times.first_token_time is None:
                     req.times.first_token_time = now
@@ -337,6 +359,8 @@ class Scheduler:
         self.pending_forks.pop(req.request_id, None)  # an aborted parent's children are aborted too
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if req.grammar is not None:
+            req.grammar.release()
 
     def reset_prefix_cache(self) -> bool:
         """False (nothing dropped) while any request holds blocks, as vLLM."""

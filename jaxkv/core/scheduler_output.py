@@ -27,7 +27,8 @@ class ScheduledRequest:
     the sampler; prompt_logprob_targets are the next-token ids whose prompt logprobs this
     chunk yields (empty when not asked). spec_token_ids: the draft tokens (speculative
     decoding), the last len(spec_token_ids) of token_ids; the runner samples each of the
-    1 + len(spec_token_ids) last positions.
+    1 + len(spec_token_ids) last positions. grammar_bitmask: a constrained sequence's allowed
+    next tokens (bit t % 32 of word t // 32), set only when it samples.
     """
     request_id: str
     token_ids: list[int]
@@ -43,6 +44,7 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] = field(default_factory=list)
     min_tokens_banned_ids: list[int] = field(default_factory=list)  # EOS + stop_token_ids
     spec_token_ids: list[int] = field(default_factory=list)
+    grammar_bitmask: Any = None  # structured outputs: int32 [ceil(V / 32)] allowed tokens
 
     @property
     def num_scheduled_tokens(self) -> int:

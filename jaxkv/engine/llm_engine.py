@@ -12,6 +12,7 @@ from jaxkv.config import EngineArgs
 from jaxkv.engine_config import EngineConfig
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.request import Request, RequestStatus
+from jaxkv.core.structured_output import StructuredOutputManager
 from jaxkv.engine.stats import EngineStats
 from jaxkv.outputs import RequestOutput
 from jaxkv.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._pending_outputs: list[RequestOutput] = []  # made by a step that then raised
+        self.structured_output_manager = StructuredOutputManager(
+            tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        scheduler.structured_output_manager = self.structured_output_manager
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -90,7 +94,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError (naming the value) for an empty prompt, token ids
-        outside the vocabulary, logprobs above max_logprobs, or a request that can never fit
+        outside the vocabulary, logprobs above max_logprobs, a structured_outputs constraint
+        that does not compile (structured_outputs.<kind>), or a request that can never fit
         (prompt + max_tokens > max_model_len, or more blocks than the whole pool); nothing is
         queued then."""
         self.add_processed(request_id, *self.process_inputs(request_id, prompt, params), arrival_time)
@@ -115,6 +120,8 @@ class LLMEngine:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if params.bad_words:
             params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if params.structured_outputs is not None:  # checked here, compiled on the grammar pool
+            params._grammar = self.structured_output_manager.grammar(params.structured_outputs)
         params.top_k = min(params.top_k, vocab)  # as vLLM: top_k above the vocabulary keeps all
         max_logprobs = self.config.runner.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -161,6 +168,8 @@ class LLMEngine:
             rid = child_request_id(request_id, j, params.n)
             r = Request(rid, ids, params, self.eos_token_ids, seed, sample_index=j,
                         parent_id=request_id, prompt=text)
+            if params.structured_outputs is not None:
+                r.grammar = self.structured_output_manager.new_state(params._grammar)
             r.times.arrival_time = t
             children.append(r)
         self.output_processor.add_group(request_id, text, children)

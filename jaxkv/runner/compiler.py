@@ -3,7 +3,8 @@
 `compile_bucket` builds every program a step of token bucket T can need: the step program
 (twice with a decode kernel: mixed and decode-only, for the buckets a decode-only step can
 use), the small program that gathers the sampled rows, and the greedy / random / filtered
-sampler for its row count R = min(T, max_num_seqs) (with speculative decoding also for the
+sampler for its row count R = min(T, max_num_seqs), each also with structured outputs'
+bitmask (with speculative decoding also for the
 larger row counts its draft rows can need, ModelRunner.sample_row_counts). It lowers from abstract shapes
 (jax.ShapeDtypeStruct) and host arrays only, never from the live KV pool: the pool is donated
 to every step, so another thread's step may delete a live array while it is being lowered.
@@ -66,11 +67,13 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
         gather.compile()
         if rs not in runner._sampler_rows:
             s_arr = sampling_arrays([], rs)
+            mask = np.zeros((rs, -(-runner.vocab_size // 32)), np.int32)
             for mode in smp.MODES:
-                if stopped():
-                    return False
-                runner._sample.lower(params, abstract(gather.out_info), s_arr, None, mode=mode,
-                                     num_logprobs=0).compile()
+                for bitmask in (None, mask):  # free rows; structured outputs' masked rows
+                    if stopped():
+                        return False
+                    runner._sample.lower(params, abstract(gather.out_info), s_arr, None, bitmask,
+                                         mode=mode, num_logprobs=0).compile()
             runner._sampler_rows.add(rs)
     return True
 

@@ -87,9 +87,9 @@ class ModelRunner:
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
 
-    def _sample_rows(self, params, hidden_rows, s, pen, *, mode, num_logprobs):
+    def _sample_rows(self, params, hidden_rows, s, pen, bitmask, *, mode, num_logprobs):
         logits = self._logits(params, hidden_rows)
-        return smp.sample(logits, s, pen, mode=mode, num_logprobs=num_logprobs)
+        return smp.sample(logits, s, pen, bitmask, mode=mode, num_logprobs=num_logprobs)
 
     def _prompt_logprobs(self, params, hidden, targets, *, num_logprobs):
         return smp.prompt_logprobs(self._logits(params, hidden), targets, num_logprobs=num_logprobs)
@@ -191,7 +191,8 @@ class ModelRunner:
         pen = (rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len)
                if any(rows.needs_penalties(x.sched) for x in spans) else None)
         h = self._gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
-        o = self._sample(self.params, h, s_arr, pen, mode=mode,
+        o = self._sample(self.params, h, s_arr, pen, rows.grammar_bitmask(spans, r, self.vocab_size),
+                         mode=mode,
                          num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
         o = jax.device_get(o)
         for x in spans:

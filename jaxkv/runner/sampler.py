@@ -147,11 +147,25 @@ def _top_k_top_p_mask(probs, top_k, top_p):
     return jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep_sorted)
 
 
-def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, *, mode: str,
-           num_logprobs: int) -> SamplerOutput:
-    """logits float32 [R, V] -> SamplerOutput. mode in MODES (static); num_logprobs static
-    (0 = no logprobs; else top-k width)."""
+def apply_bitmask(logits, bitmask):
+    """Structured outputs: logits float32 [R, V] with every token whose bit is clear in
+    bitmask int32 [R, ceil(V / 32)] (bit t % 32 of word t // 32, as llguidance and vLLM pack
+    it) set to -inf."""
+    ids = jnp.arange(logits.shape[-1])
+    words = bitmask[:, ids // 32]
+    allowed = (jax.lax.shift_right_logical(words, (ids % 32).astype(jnp.int32)[None]) & 1) == 1
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, bitmask=None, *,
+           mode: str, num_logprobs: int) -> SamplerOutput:
+    """logits float32 [R, V] -> SamplerOutput. bitmask: structured outputs' allowed tokens,
+    int32 [R, ceil(V / 32)] or None (applied first, as vLLM applies the grammar before its
+    sampler; logprobs stay the model's own, unmasked). mode in MODES (static); num_logprobs
+    static (0 = no logprobs; else top-k width)."""
     raw = logits
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     if penalties is not None:
         logits = apply_penalties(logits, penalties)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -116,6 +116,18 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
                              allowed_ids, has_allowed)
 
 
+def grammar_bitmask(spans: list[Span], r: int, vocab_size: int) -> np.ndarray | None:
+    """Structured outputs: int32 [r, ceil(vocab_size / 32)], each constrained row's allowed
+    tokens and every bit set elsewhere; None when no row of the step is constrained."""
+    masks = [(x.row, x.sched.grammar_bitmask) for x in spans if x.sched.grammar_bitmask is not None]
+    if not masks:
+        return None
+    out = np.full((r, -(-vocab_size // 32)), -1, np.int32)
+    for row, m in masks:
+        out[row] = m
+    return out
+
+
 def bad_word_bans(words: list[list[int]], output_ids: list[int]) -> list[int]:
     """The last token of each bad word whose other tokens end the output (vLLM's rule: a
     one-token word is always banned)."""

@@ -88,3 +88,28 @@ def test_every_eos_id_stops_unless_ignore_eos():
     assert sorted(r.stop_ids) == [2, 7, 9]
     r = Request("r", [1, 2], SamplingParams(stop_token_ids=[9], ignore_eos=True), (2, 7), 0)
     assert r.stop_ids == [9]
+
+
+def test_a_request_whose_grammar_compiles_is_passed_over_not_waited_for():
+    """vLLM's WAITING_FOR_FSM: the request behind it runs; it joins once its grammar is ready;
+    with nothing else to run the step is empty (no stall error)."""
+    from concurrent.futures import Future
+
+    from jaxkv.core.structured_output import GrammarState
+
+    kv = KVCacheManager(32, 4, True)
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64))
+    fut = Future()
+    slow = Request("slow", [1, 2, 3], SamplingParams(max_tokens=2), None, 0)
+    slow.grammar = GrammarState(fut)
+    free = Request("free", [4, 5, 6], SamplingParams(max_tokens=1), None, 0)
+    sched.add_request(slow)
+    sched.add_request(free)
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["free"]
+    sched.update_from_output(out, RunnerOutput({"free": [7]}))
+    out = sched.schedule()  # only the compiling request is left: an empty step
+    assert out.scheduled == [] and sched.num_waiting == 1
+    fut.set_exception(RuntimeError("no matcher"))  # a failed build runs unconstrained
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["slow"] and slow.grammar.error

@@ -48,3 +48,29 @@ def test_request_that_can_never_fit_is_rejected(small_pool):
         small_pool.generate({"prompt_token_ids": [5] * 1000}, SamplingParams(max_tokens=100))
     s = small_pool.stats()
     assert s.num_free_blocks == s.num_total_blocks and s.num_waiting == 0
+
+
+def test_preemption_keeps_structured_outputs(llm, small_pool):
+    """Constrained requests preempted by recompute keep their matcher in step: the same greedy
+    JSON as in an ample pool, and every block comes back."""
+    import json
+
+    from jaxkv import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json={"type": "object", "properties": {
+        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                  "minItems": 30, "maxItems": 40}}, "required": ["items"]}, disable_any_whitespace=True)
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(200, 20000, 100).tolist()} for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=160, logprobs=2, structured_outputs=so)
+    ref = llm.generate(prompts, params, use_tqdm=False)
+    before = small_pool.stats().num_preemptions
+    got = small_pool.generate(prompts, params, use_tqdm=False)
+    s = small_pool.stats()
+    assert s.num_preemptions > before
+    assert s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
+    for a, b in zip(got, ref):
+        assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
+                                margins_from_logprobs(b.outputs[0].logprobs), what="preempted JSON")
+        if a.outputs[0].finish_reason == "stop":
+            assert 30 <= len(json.loads(a.outputs[0].text)["items"]) <= 40

@@ -181,3 +181,27 @@ def test_sample_draws_from_the_distribution_over_many_groups():
     kept = np.asarray(smp.sample(x, arrays(r, top_k=3, seeds=np.arange(r)), None,
                                  mode="filtered", num_logprobs=0).token_ids)
     assert set(kept.tolist()) <= set(np.argsort(-logits)[:3].tolist())
+
+
+def test_grammar_bitmask_keeps_exactly_the_set_bits():
+    """llguidance's packing (bit t % 32 of word t // 32, sign bit included); a vocabulary that
+    is not a multiple of 32; greedy and random rows pick only allowed tokens."""
+    rng = np.random.default_rng(3)
+    v, r = 70, 6
+    allowed = rng.random((r, v)) < 0.2
+    allowed[:, 31] = True  # the sign bit of word 0
+    bits = np.zeros((r, 3 * 32), np.uint8)
+    bits[:, :v] = allowed
+    mask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)  # [r, 3]
+    logits = rng.standard_normal((r, v)).astype(np.float32)
+    got = np.asarray(smp.apply_bitmask(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(np.isfinite(got), allowed)
+    np.testing.assert_array_equal(got[allowed], logits[allowed])
+    for mode, t in (("greedy", 0.0), ("random", 1.0), ("filtered", 1.0)):
+        s = arrays(r, temperature=t, top_k=5 if mode == "filtered" else 0)
+        out = smp.sample(jnp.asarray(logits), s, None, jnp.asarray(mask), mode=mode, num_logprobs=2)
+        tok = np.asarray(out.token_ids)
+        assert allowed[np.arange(r), tok].all(), mode
+        if mode == "greedy":
+            np.testing.assert_array_equal(tok, np.where(allowed, logits, -np.inf).argmax(-1))
+        assert np.isfinite(np.asarray(out.top_logprobs)).all()  # the model's own logprobs

@@ -1,0 +1,156 @@
+"""StructuredOutputsParams: the constraint a request's output must satisfy, and its grammar.
+
+Names and semantics follow vLLM's ``vllm.sampling_params.StructuredOutputsParams`` with its
+``guidance`` backend: exactly one of ``json`` (a JSON schema, dict or string), ``regex``,
+``choice`` (a list of strings), ``grammar`` (Lark, or GBNF as llama.cpp writes it) or
+``json_object=True`` (any JSON object). The grammar engine is llguidance (Microsoft's
+Low-level Guidance, the library behind vLLM's ``guidance`` backend); this module only turns a
+constraint into llguidance's grammar text and checks it against a tokenizer.
+
+Bad input raises ``ValueError`` naming the field (``structured_outputs.json`` ...), before
+anything is queued.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+try:
+    from llguidance.gbnf_to_lark import GbnfToLarkError as GbnfError
+except ImportError:  # pragma: no cover - llguidance is a dependency
+    GbnfError = ValueError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One request's output constraint (vLLM's StructuredOutputsParams).
+
+    json: a JSON schema (dict or JSON text); regex: a regular expression the whole output
+    matches; choice: the output is one of these strings; grammar: a Lark grammar (or GBNF, as
+    llama.cpp writes it); json_object: any JSON object. disable_any_whitespace: JSON without
+    free whitespace between tokens (vLLM's flag; the default allows it, as vLLM's guidance
+    backend); disable_additional_properties: objects of a json schema without
+    ``additionalProperties`` get ``false``; whitespace_pattern: a regex for JSON whitespace.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = "none is" if not given else f"{len(given)} are ({', '.join(given)})"
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(KINDS)}; {what} set")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
+            if not isinstance(value, (dict, bool)):
+                raise ValueError("structured_outputs.json: a JSON schema must be an object, "
+                                 f"got {type(value).__name__}")
+            self.json = value
+        elif kind == "choice":
+            if (isinstance(value, str) or not isinstance(value, (list, tuple)) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of "
+                                 f"non-empty strings, got {value!r}"[:300])
+            self.choice = list(value)
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError(f"structured_outputs.json_object: must be true, got {value!r}")
+        elif not isinstance(value, str) or not value:
+            raise ValueError(f"structured_outputs.{kind}: must be a non-empty string, got {value!r}"[:300])
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name}: must be a bool")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("structured_outputs.whitespace_pattern: must be a string")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StructuredOutputsParams:
+        """From a request body's ``structured_outputs`` object; unknown keys are refused."""
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs: must be an object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**d)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of KINDS."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> str:
+        """A text that equal constraints share (the grammar cache's key)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps(d, sort_keys=True)
+
+    def to_grammar(self) -> str:
+        """llguidance's grammar text (JSON) for this constraint. ValueError naming the field
+        if llguidance cannot read it (an unknown schema keyword value, a bad regex...)."""
+        import llguidance
+
+        kind = self.kind
+        try:
+            if kind in ("json", "json_object"):
+                schema = self.json if kind == "json" else {"type": "object"}
+                if self.disable_additional_properties:
+                    schema = _no_additional_properties(schema)
+                overrides = ({"whitespace_pattern": self.whitespace_pattern}
+                             if self.whitespace_pattern else None)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema), overrides=overrides,
+                    defaults={"whitespace_flexible": not self.disable_any_whitespace})
+            if kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.regex)
+            if kind == "choice":
+                alts = " | ".join(json.dumps(c) for c in self.choice)
+                return llguidance.LLMatcher.grammar_from_lark(f"start: {alts}")
+            from llguidance.gbnf_to_lark import any_to_lark  # GBNF -> Lark; Lark kept
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
+        except (ValueError, TypeError, RuntimeError, GbnfError) as e:
+            raise ValueError(f"structured_outputs.{kind}: {_one_line(e)}") from None
+
+    def validate(self, ll_tokenizer) -> str:
+        """The grammar text, checked by llguidance against `ll_tokenizer` (an LLTokenizer):
+        ValueError naming the field when it does not compile."""
+        import llguidance
+
+        grammar = self.to_grammar()
+        err = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
+        if err:
+            raise ValueError(f"structured_outputs.{self.kind}: {_one_line(err)}")
+        return grammar
+
+
+def _no_additional_properties(schema):
+    """A copy of `schema` where every object schema without additionalProperties gets false."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _one_line(e) -> str:
+    """An error text on one line, at most 300 characters."""
+    return " ".join(str(e).split())[:300]
