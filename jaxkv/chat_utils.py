@@ -15,6 +15,7 @@ an unsafe template, or a template that rejects the conversation.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -72,22 +73,49 @@ def normalize_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
         if "<|" in role or "\n" in role:
             raise ValueError(f"messages[{i}].role must be a plain role name, got {role!r}"[:300])
-        if m.get("content") is None:
+        calls = m.get("tool_calls")
+        if m.get("content") is None and not (calls and role == "assistant"):
             raise ValueError(f"messages[{i}].content must be given (a string or text parts); null "
-                             "content is allowed only on an assistant message with tool_calls, "
-                             "and jaxkv does not take tool calls yet")
+                             "content is allowed only on an assistant message with tool_calls")
+        content = m.get("content")
         msg = {"role": "system" if role == "developer" else role,
-               "content": _content_text(m["content"], f"messages[{i}].content")}
+               "content": "" if content is None else _content_text(content, f"messages[{i}].content")}
         if m.get("name") is not None:
             msg["name"] = str(m["name"])
+        if calls:
+            msg["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = str(m["tool_call_id"])
         out.append(msg)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls as templates read them (as vLLM and transformers):
+    each function's arguments as a dict, parsed from the JSON text the API carries."""
+    if not isinstance(calls, (list, tuple)):
+        raise ValueError(f"{where} must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}[{j}].function must have a name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ValueError(f"{where}[{j}].function.arguments must be a JSON text") from None
+        out.append({**c, "function": {**fn, "arguments": args}})
     return out
 
 
 def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """One conversation -> (prompt text, prompt token ids); ids are not given BOS again.
+    tools: OpenAI tool definitions, passed to the template as transformers passes them.
 
     continue_final_message: the last message (an open assistant turn, say) is left open for
     the model to continue, as transformers and vLLM do; it excludes add_generation_prompt.
@@ -101,7 +129,7 @@ def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
         raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
     kwargs = dict(chat_template_kwargs or {})
     reserved = {"conversation", "messages", "tokenize", "add_generation_prompt",
-                "continue_final_message", "chat_template", "return_dict"} & set(kwargs)
+                "continue_final_message", "chat_template", "return_dict", "tools"} & set(kwargs)
     if reserved:
         raise ValueError(f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the request "
                          "itself and cannot be passed here")
@@ -110,7 +138,8 @@ def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
         try:
             return tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                tools=tools, **kwargs)
         except Exception as e:  # jinja2 errors raised by the template itself (bad roles, ...)
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
 
@@ -122,6 +151,11 @@ def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
     for name, value in kwargs.items():  # template variables (documents too) are user text
         if _has_special(value, specials):
             raise ValueError(f"chat_template_kwargs: {name!r} must not contain control-token text")
+    if _has_special(tools, specials):
+        raise ValueError("tools must not contain control-token text")
+    for i, m in enumerate(convo):
+        if _has_special(m.get("tool_calls"), specials):
+            raise ValueError(f"messages[{i}].tool_calls must not contain control-token text")
     typed = [i for i, m in enumerate(convo) if any(s in m["content"] for s in specials)]
     if not typed:
         return text, _encode(tokenizer, text)

@@ -22,6 +22,8 @@ from serve.protocol_responses import (ChatCompletionLogProb, ChatCompletionLogPr
                                       ChatCompletionLogProbsContent, ChatCompletionResponse,
                                       ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                       ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo)
+from serve.structured import relabel, request_constraint
+from serve.tools import ToolOutput, template_tools, tool_constraint, tool_mode
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
 from serve.usage import UsageAccumulator
 
@@ -32,10 +34,6 @@ def render_chat(tokenizer, req, chat_template: str | None = None) -> dict:
     the template's options are bad."""
     if not req.messages:
         raise APIError("messages must not be empty", 400, "messages")
-    for i, m in enumerate(req.messages):
-        if m.tool_calls:
-            raise APIError(f"messages[{i}].tool_calls: tool calls are not supported yet", 400,
-                           f"messages[{i}].tool_calls")
     kwargs = dict(req.chat_template_kwargs or {})
     if getattr(req, "documents", None):
         kwargs["documents"] = req.documents
@@ -44,7 +42,7 @@ def render_chat(tokenizer, req, chat_template: str | None = None) -> dict:
             tokenizer, [m.as_dict() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, chat_template=chat_template,
-            chat_template_kwargs=kwargs)
+            chat_template_kwargs=kwargs, tools=template_tools(req) if hasattr(req, "tools") else None)
     except ValueError as e:
         raise bad_request(e) from e
     return {"prompt": text, "prompt_token_ids": ids}
@@ -76,13 +74,21 @@ def _logprob_content(entries, token_ids, k: int) -> list[ChatCompletionLogProbsC
 async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext, raw):
     ctx.check_model(req.model)
     check_unsupported(req, chat=True)
+    mode = tool_mode(req, ctx)
+    constraint, field = request_constraint(req)
+    if mode in ("named", "required"):
+        if constraint is not None:
+            raise APIError(f"{field} cannot be combined with tool_choice {mode!r} (the tool's "
+                           "schema is the constraint)", 400, field)
+        constraint, field = tool_constraint(req, mode), "tools"
     tok = ctx.engine.get_tokenizer()
     prompt = render_chat(tok, req, ctx.chat_template)
     k = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
     try:
-        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, k)
+        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, k,
+                                     structured_outputs=constraint)
     except ValueError as e:
         raise bad_request(e) from e
     params.output_kind = OUTPUT_KIND
@@ -93,8 +99,17 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
     echo = chat_utils.normalize_messages([last.as_dict()])[0]["content"] if req.echo and last.role == role else ""
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     batch = RequestBatch(ctx.engine, rid)
-    batch.add([prompt], params)
+    try:
+        batch.add([prompt], params)
+    except APIError as e:
+        raise relabel(e, field) from e
     created, usage = int(time.time()), UsageAccumulator()
+    tools = {}  # choice index -> ToolOutput (tool calls parsed from its text)
+
+    def tool_output(index: int) -> ToolOutput | None:
+        if mode == "none":
+            return None
+        return tools.setdefault(index, ToolOutput(mode, req))
 
     def lp_block(c) -> ChatCompletionLogProbs | None:
         if k is None:
@@ -123,10 +138,22 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
                         if echo:
                             yield one(c.index, DeltaMessage(content=echo))
                     lp = lp_block(c)
-                    if c.text or (lp is not None and lp.content):
-                        yield one(c.index, DeltaMessage(content=c.text or None), lp)
+                    shaper = tool_output(c.index)
+                    if shaper is None:
+                        deltas = [DeltaMessage(content=c.text)] if c.text else []
+                    else:
+                        deltas = shaper.deltas(c.text)
+                    if not deltas and lp is not None and lp.content:
+                        deltas = [DeltaMessage()]  # the logprobs of text held back
+                    for j, d in enumerate(deltas):
+                        yield one(c.index, d, lp if j == 0 else None)
                     if c.finish_reason is not None:
-                        yield one(c.index, DeltaMessage(), None, c.finish_reason, c.stop_reason)
+                        finish = c.finish_reason
+                        if shaper is not None:
+                            last, finish = shaper.end(finish)
+                            for d in last:
+                                yield one(c.index, d)
+                        yield one(c.index, DeltaMessage(), None, finish, c.stop_reason)
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage.info())
         return SSEResponse(sse_events(batch, chunks()))
@@ -145,6 +172,11 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
                 if k is not None:
                     ch.logprobs.content += lp_block(c).content
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+        for i, ch in choices.items():
+            shaper = tool_output(i)
+            if shaper is not None:
+                ch.message.content, ch.message.tool_calls, ch.finish_reason = shaper.message(
+                    ch.message.content, ch.finish_reason)
         return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, usage=usage.info(),
                                       choices=[choices[i] for i in sorted(choices)]).model_dump()
 

@@ -17,6 +17,7 @@ from serve.errors import APIError, bad_request
 from serve.protocol import CompletionRequest
 from serve.protocol_responses import (CompletionLogProbs, CompletionResponse, CompletionResponseChoice,
                                       CompletionStreamResponse, UsageInfo)
+from serve.structured import relabel, request_constraint
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
 from serve.usage import UsageAccumulator
 
@@ -87,15 +88,20 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(f"best_of must equal n ({req.n}), got {req.best_of}", 400, "best_of")
     prompts = _prompts(req, ctx.engine.get_tokenizer())
+    constraint, field = request_constraint(req)
     try:
         params = req.sampling_params(req.max_tokens, req.logprobs,
-                                     req.logprobs if req.echo and req.logprobs is not None else None)
+                                     req.logprobs if req.echo and req.logprobs is not None else None,
+                                     structured_outputs=constraint)
     except ValueError as e:
         raise bad_request(e) from e
     params.output_kind = OUTPUT_KIND
     rid = f"cmpl-{uuid.uuid4().hex}"
     batch = RequestBatch(ctx.engine, rid)
-    batch.add(prompts, params)
+    try:
+        batch.add(prompts, params)
+    except APIError as e:
+        raise relabel(e, field) from e
     created, n = int(time.time()), req.n
     tok = ctx.engine.get_tokenizer()
     token_text = ctx.engine.engine.output_processor.token_text

@@ -21,6 +21,8 @@ class ServerContext:
     start_error: str | None = None     # why the engine could not start
     created: int = 0
     chat_template: str | None = None   # --chat-template (None: the tokenizer's own)
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    tool_call_parser: str | None = None    # --tool-call-parser (serve/tool_parsers.py)
 
     @property
     def ready(self) -> bool:

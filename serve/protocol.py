@@ -15,6 +15,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from jaxkv.sampling_params import SamplingParams
+from jaxkv.structured_outputs import StructuredOutputsParams
 
 MAX_N = 16
 
@@ -26,20 +27,30 @@ class _Base(BaseModel):
 # Fields jaxkv does not implement -> the values that mean "not used" (sent by some clients
 # by default). Any other value is refused with 400 naming the field.
 UNSUPPORTED: dict[str, tuple] = {
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-                     "functions", "function_call", "truncate_prompt_tokens", "prompt_logprobs", "cache_salt", "logits_processors",
+    **dict.fromkeys(("functions", "function_call", "truncate_prompt_tokens", "prompt_logprobs",
+                     "cache_salt", "logits_processors",
                      "mm_processor_kwargs", "prediction", "audio", "web_search_options",
                      "chat_template", "kv_transfer_params", "vllm_xargs"), (None,)),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
+    "guided_decoding_backend": (None, "auto", "guidance"),  # llguidance is jaxkv's one backend
     "priority": (None, 0),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "return_tokens_as_token_ids": (None, False),
     "modalities": (None, ["text"]),
 }
+
+
+class JsonSchemaResponseFormat(_Base):
+    """response_format.json_schema (OpenAI's): the schema is under the key "schema"."""
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
 
 
 class StreamOptions(_Base):
@@ -72,12 +83,21 @@ class _Sampling(_Base):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's; token id (as a string) -> bias
+    # Structured outputs (serve/structured.py turns them into StructuredOutputsParams)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: Union[StrictStr, dict, None] = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request (ValueError names a bad field). Unset fields take
         vLLM's defaults (temperature 1, top_p 1)."""
-        return SamplingParams(
+        return SamplingParams(structured_outputs=structured_outputs,
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
@@ -115,17 +135,46 @@ class TextPart(_Base):
 
 
 class ChatCompletionMessageParam(_Base):
-    """One message of a chat request (the reply's message is protocol_responses.ChatMessage)."""
-    role: Literal["system", "developer", "user", "assistant"]
+    """One message of a chat request (the reply's message is protocol_responses.ChatMessage).
+    An assistant message may carry the tool_calls it made (content null), and a "tool"
+    message the result of one (tool_call_id)."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # Parts are checked by jaxkv.chat_utils, whose errors name the part (messages[0].content[1]).
     content: Union[StrictStr, list[dict], None] = None
     name: str | None = None
-    tool_calls: list | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def as_dict(self) -> dict:
         """The message as jaxkv.chat_utils takes it (content None stays None: it is refused
-        there with the field named)."""
-        return {"role": self.role, "content": self.content, "name": self.name}
+        there with the field named, unless tool_calls are given)."""
+        d = {"role": self.role, "content": self.content, "name": self.name}
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+class FunctionDefinition(_Base):
+    name: StrictStr
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_Base):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(_Base):
+    name: StrictStr
+
+
+class ChatCompletionNamedToolChoiceParam(_Base):
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -140,6 +189,10 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict | None = None
     documents: list[dict] | None = None
     echo: bool = False
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" when tools are given, else "none" (as vLLM)
+    tool_choice: Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam, None] = None
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(_Base):

@@ -114,10 +114,39 @@ class ChatCompletionLogProbs(OpenAIResponse):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIResponse):
+    name: str
+    arguments: str  # the arguments as a JSON text
+
+
+class ToolCall(OpenAIResponse):
+    """One call of a tool the request offered (vLLM's id form: chatcmpl-tool-<hex>)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIResponse):
+    _omit_none = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIResponse):
+    """A stream's piece of tool call `index`: the first carries id, type and name."""
+    _omit_none = ("id", "type")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessage(OpenAIResponse):
-    """The generated message (with echo, the last request message's content first)."""
+    """The generated message (with echo, the last request message's content first), and the
+    tool calls parsed from it (empty unless the request offered tools)."""
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatCompletionResponseChoice(OpenAIResponse):
@@ -139,9 +168,10 @@ class ChatCompletionResponse(OpenAIResponse):
 
 class DeltaMessage(OpenAIResponse):
     """What a stream chunk adds to a message; unset fields are left out ({} carries none)."""
-    _omit_none = ("role", "content")
+    _omit_none = ("role", "content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):

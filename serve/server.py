@@ -33,6 +33,7 @@ def run_server(ns) -> int:
     from serve.app import build_app
     from serve.context import ServerContext
     from serve.metrics import PrometheusStatLogger, cache_config_info, check_metrics_prefix
+    from serve.tool_parsers import TOOL_CALL_PARSERS
 
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"two models given: {ns.model_tag!r} (positional) and --model {ns.model!r}")
@@ -47,10 +48,14 @@ def run_server(ns) -> int:
     disable_created_metrics()  # as vLLM: no *_created series
 
     chat_template = load_chat_template(ns.chat_template)  # a bad path fails here, in one line
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                         f"{', '.join(TOOL_CALL_PARSERS)})")
     if args.tokenizer is not None and not os.path.exists(args.tokenizer):
         raise ValueError(f"tokenizer {args.tokenizer!r} not found (a tokenizer folder or a .gguf file)")
     ctx = ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
-                        chat_template=chat_template,
+                        chat_template=chat_template, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                        tool_call_parser=ns.tool_call_parser,
                         model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
                         created=int(time.time()))
     max_model_len = args.max_model_len or ModelConfig.from_hf_config(hf_config).max_position_embeddings
@@ -90,6 +95,7 @@ def run_server(ns) -> int:
 
 def add_serve_parser(sub) -> None:
     from jaxkv.config import EngineArgs
+    from serve.tool_parsers import TOOL_CALL_PARSERS
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or a Hugging Face model folder (default: the embedded model)")
@@ -102,6 +108,12 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template inline) for "
                    "/v1/chat/completions instead of the tokenizer's own")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model choose to call tools (tool_choice "auto"; needs '
+                   "--tool-call-parser)")
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how tool calls are read from the model's text for tool_choice auto "
+                   "(hermes: <tool_call>{...}</tool_call>, Qwen2.5 and Hermes models)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     s.add_argument("--metrics-prefix", default="jaxkv",
                    help="prefix of the /metrics series names (default: jaxkv; vllm gives vLLM's "
