@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from jaxkv.core.kv_budget import parse_bytes
 from jaxkv.core.spec_decode import SpeculativeConfig
+from jaxkv.structured_outputs import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM), plus int8;
@@ -101,6 +102,10 @@ class EngineArgs:
         None, "speculative decoding as a JSON object, vLLM's names: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 7, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
         "(n-gram prompt lookup; optional \"disable_by_batch_size\": N; off when not given)", type=str, metavar="JSON")
+    structured_outputs_config: dict | str | None = _arg(
+        None, "structured outputs as a JSON object, vLLM's names: {\"backend\": \"guidance\", "
+        "\"disable_any_whitespace\": false, \"disable_additional_properties\": false} (llguidance "
+        "is the backend; the flags are defaults for every request)", type=str, metavar="JSON")
     warmup_token_buckets: tuple[int, ...] | None = _arg(
         None, "the token buckets compiled before the engine is ready; the others compile in a "
         "background thread and steps use them once compiled (default: powers of 8 below "
@@ -155,6 +160,7 @@ class EngineArgs:
             if v is not None and (not v or not all(_positive_int(x) for x in v)):
                 bad(name, "must be a non-empty list of positive integers")
         SpeculativeConfig.from_value(self.speculative_config)  # ValueError naming the key
+        StructuredOutputsConfig.from_value(self.structured_outputs_config)
         if self.token_buckets and self.warmup_token_buckets:
             stray = sorted(set(self.warmup_token_buckets) - set(self.token_buckets))
             if stray:

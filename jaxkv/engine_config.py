@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from jaxkv.config import ATTENTION_BACKENDS, check_batched_tokens
 from jaxkv.core.kv_budget import KVBudget, parse_bytes, plan_kv_cache
 from jaxkv.core.spec_decode import SpeculativeConfig
+from jaxkv.structured_outputs import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
 
 CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
@@ -67,6 +68,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     runner: RunnerConfig
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
     @property
     def max_model_len(self) -> int:
@@ -199,4 +201,5 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
                             args.max_logprobs, args.enforce_eager, warmup_buckets, kv_dtype),
-        speculative=speculative)
+        speculative=speculative,
+        structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))

@@ -13,6 +13,7 @@ anything is queued.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, fields
 
@@ -137,6 +138,51 @@ class StructuredOutputsParams:
         if err:
             raise ValueError(f"structured_outputs.{self.kind}: {_one_line(err)}")
         return grammar
+
+
+BACKENDS = ("auto", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Engine-wide structured-output settings (vLLM's --structured-outputs-config): the
+    backend (llguidance, vLLM's "guidance"; "auto" picks it) and defaults that every request
+    gets on top of its own (disable_any_whitespace, disable_additional_properties)."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    @classmethod
+    def from_value(cls, value) -> StructuredOutputsConfig:
+        """From None, a dict or a JSON text; ValueError naming the key."""
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config: must be an object, got {value!r}"[:200])
+        known = {f.name for f in fields(cls)}
+        for k, v in value.items():
+            if k not in known:
+                raise ValueError(f"structured_outputs_config.{k}: unknown key (known: "
+                                 f"{', '.join(sorted(known))})")
+            if k == "backend" and v not in BACKENDS:
+                raise ValueError(f"structured_outputs_config.backend: must be one of {BACKENDS} "
+                                 f"(jaxkv's grammar engine is llguidance), got {v!r}")
+            if k != "backend" and not isinstance(v, bool):
+                raise ValueError(f"structured_outputs_config.{k}: must be a bool, got {v!r}")
+        return cls(**value)
+
+    def apply(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """The request's constraint with the engine-wide defaults switched on."""
+        return dataclasses.replace(
+            params, disable_any_whitespace=params.disable_any_whitespace or self.disable_any_whitespace,
+            disable_additional_properties=(params.disable_additional_properties
+                                           or self.disable_additional_properties))
 
 
 def _no_additional_properties(schema):

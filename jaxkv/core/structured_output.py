@@ -80,8 +80,10 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._grammars: dict[str, str] = {}
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="jaxkv-grammar")
+        self.num_requests = 0  # constrained sequences added (each n > 1 sample counts)
         self.num_compiled = 0  # matchers built
         self.compile_seconds = 0.0  # their total build time (on the pool's threads)
+        self._pool.submit(lambda: self.ll_tokenizer)  # wrap the tokenizer off the step loop
 
     @property
     def ll_tokenizer(self):
@@ -108,6 +110,7 @@ class StructuredOutputManager:
 
     def new_state(self, grammar: str) -> GrammarState:
         """A GrammarState whose matcher compiles on the pool."""
+        self.num_requests += 1
         return GrammarState(self._pool.submit(self._build, grammar))
 
     def _build(self, grammar: str):
@@ -119,8 +122,9 @@ class StructuredOutputManager:
         # The first mask builds the lexer: do it here, not on the step loop.
         mask = np.zeros((1, self._ll_words()), np.int32)
         _fill(m, mask, 0)
-        self.compile_seconds += time.perf_counter() - t0
-        self.num_compiled += 1
+        with self._lock:
+            self.compile_seconds += time.perf_counter() - t0
+            self.num_compiled += 1
         return m
 
     def _ll_words(self) -> int:

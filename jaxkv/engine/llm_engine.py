@@ -121,6 +121,9 @@ class LLMEngine:
         if params.bad_words:
             params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:  # checked here, compiled on the grammar pool
+            so = getattr(self.config, "structured_outputs", None)
+            if so is not None:
+                params.structured_outputs = so.apply(params.structured_outputs)
             params._grammar = self.structured_output_manager.grammar(params.structured_outputs)
         params.top_k = min(params.top_k, vocab)  # as vLLM: top_k above the vocabulary keeps all
         max_logprobs = self.config.runner.max_logprobs
@@ -309,6 +312,9 @@ class LLMEngine:
             token_buckets=self.config.runner.token_buckets,
             compiled_token_buckets=self.runner.compiled_token_buckets,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_structured_output_requests=self.structured_output_manager.num_requests,
+            num_grammars_compiled=self.structured_output_manager.num_compiled,
+            grammar_compile_seconds=self.structured_output_manager.compile_seconds,
             **self._spec_stats())
 
     def _spec_stats(self) -> dict:

@@ -4,13 +4,14 @@ Every `interval_s` seconds while the engine has work (or did some since the last
 
     Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 96.0 tokens/s,
     Running: 12 reqs, Waiting: 3 reqs, Preemptions: 0, KV cache usage: 41.2%,
-    Prefix cache hit rate: 37.5%, Compiled token buckets: 7/10
+    Prefix cache hit rate: 37.5%, Compiled token buckets: 7/10, Structured output requests: 4
 
 Prompt throughput counts prompt tokens run through the model (prefix-cache hits excluded,
 recompute after preemption included); the hit rate is over the prompt tokens looked up since
 the previous line (lifetime when none were). The last field counts the token buckets whose
 programs are compiled (the others are still compiling in the background; steps pad to the
-compiled ones). With speculative decoding a second line follows, as vLLM's:
+compiled ones); the structured-output field (requests added in the interval) appears once
+any came. With speculative decoding a second line follows, as vLLM's:
 
     SpecDecoding metrics: Mean acceptance length: 2.85, Accepted throughput: 30.12 tokens/s,
     Drafted throughput: 48.40 tokens/s, Accepted: 151 tokens, Drafted: 242 tokens,
@@ -61,6 +62,9 @@ class LoggingStatLogger:
         if stats.token_buckets:
             line += (f", Compiled token buckets: {len(stats.compiled_token_buckets)}/"
                      f"{len(stats.token_buckets)}")
+        d_so = stats.num_structured_output_requests - prev.num_structured_output_requests
+        if stats.num_structured_output_requests:
+            line += f", Structured output requests: {d_so}"
         logger.info(line)
         spec = self._spec_line(stats, prev, dt)
         if spec:

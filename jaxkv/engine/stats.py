@@ -24,6 +24,11 @@ class EngineStats:
     # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests
     # given a draft in a step, draft tokens, accepted ones, accepted ones per draft position,
     # and accepted / draft tokens (None before any draft).
+    # Structured outputs: constrained sequences added, their grammars' matchers built, and the
+    # seconds those builds took (on the grammar thread pool, off the step loop).
+    num_structured_output_requests: int = 0
+    num_grammars_compiled: int = 0
+    grammar_compile_seconds: float = 0.0
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

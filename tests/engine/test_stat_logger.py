@@ -57,3 +57,18 @@ def test_spec_decoding_line_over_the_interval():
                     "acceptance rate: 50.0%")
     now[0] = 20.0
     assert "\n" not in lg.maybe_log(replace(busy, num_generation_tokens=100))  # no new drafts
+
+
+def test_structured_output_requests_appear_once_any_came():
+    now = [0.0]
+    lg = LoggingStatLogger(5.0, clock=lambda: now[0])
+    lg.maybe_log(IDLE)
+    now[0] = 5.0
+    busy = replace(IDLE, num_running=1, num_generation_tokens=10)
+    assert "Structured" not in lg.maybe_log(busy)
+    now[0] = 10.0
+    line = lg.maybe_log(replace(busy, num_structured_output_requests=3))
+    assert line.endswith(", Structured output requests: 3")
+    now[0] = 15.0
+    assert lg.maybe_log(replace(busy, num_structured_output_requests=3)).endswith(
+        "Structured output requests: 0")

@@ -157,3 +157,28 @@ def test_params_check_one_constraint_and_its_type():
     with pytest.raises(ValueError, match="unknown field 'jsn'"):
         SamplingParams(structured_outputs={"jsn": {}})
     assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs.kind == "choice"
+
+
+def test_stats_count_constrained_samples_and_their_grammars(llm):
+    before = llm.stats()
+    so = StructuredOutputsParams(choice=["up", "down"])
+    llm.generate(["Direction:"], SamplingParams(n=2, seed=0, max_tokens=4, structured_outputs=so),
+                 use_tqdm=False)
+    after = llm.stats()
+    assert after.num_structured_output_requests == before.num_structured_output_requests + 2
+    assert after.num_grammars_compiled == before.num_grammars_compiled + 2
+    assert after.grammar_compile_seconds > before.grammar_compile_seconds
+
+
+def test_structured_outputs_config_flag():
+    from jaxkv import EngineArgs
+    from jaxkv.structured_outputs import StructuredOutputsConfig
+
+    for bad, key in (({"backend": "xgrammar"}, "backend"), ({"disable_any_whitespace": 1}, "disable_any_whitespace"),
+                     ({"strict": True}, "strict"), ("{", "structured_outputs_config")):
+        with pytest.raises(ValueError, match=re.escape(f"structured_outputs_config.{key}"
+                                                       if key != "structured_outputs_config" else key)):
+            EngineArgs(structured_outputs_config=bad)
+    cfg = StructuredOutputsConfig.from_value('{"backend": "guidance", "disable_any_whitespace": true}')
+    got = cfg.apply(StructuredOutputsParams(json={"type": "object"}))
+    assert got.disable_any_whitespace and not got.disable_additional_properties

@@ -152,3 +152,11 @@ def test_bad_constraints_are_400_naming_the_field(server, body, param):
     assert msg
     ok = server.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 2})
     assert ok.status_code == 200  # and the server keeps serving
+
+
+def test_metrics_count_structured_requests(server, client):
+    before = server.metric("jaxkv:structured_output_requests_total")
+    client.completions.create(model=MODEL, prompt="Pick:", max_tokens=4, n=2, seed=0,
+                              extra_body={"guided_choice": ["a", "b"]})
+    assert server.metric("jaxkv:structured_output_requests_total") == before + 2
+    assert server.metric("jaxkv:grammar_compile_seconds_total") > 0
