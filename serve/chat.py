@@ -174,9 +174,10 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         for i, ch in choices.items():
             shaper = tool_output(i)
-            if shaper is not None:
-                ch.message.content, ch.message.tool_calls, ch.finish_reason = shaper.message(
-                    ch.message.content, ch.finish_reason)
+            if shaper is not None:  # the generated text (after the echo) holds the calls
+                content, ch.message.tool_calls, ch.finish_reason = shaper.message(
+                    ch.message.content[len(echo):], ch.finish_reason)
+                ch.message.content = echo + content if content is not None else (echo or None)
         return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, usage=usage.info(),
                                       choices=[choices[i] for i in sorted(choices)]).model_dump()
 

@@ -32,6 +32,8 @@ UNSUPPORTED: dict[str, tuple] = {
                      "mm_processor_kwargs", "prediction", "audio", "web_search_options",
                      "chat_template", "kv_transfer_params", "vllm_xargs"), (None,)),
     "guided_decoding_backend": (None, "auto", "guidance"),  # llguidance is jaxkv's one backend
+    "tools": (None, []),  # completions only: chat declares them
+    "tool_choice": (None, "none"),
     "priority": (None, 0),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),

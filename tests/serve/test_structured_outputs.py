@@ -160,3 +160,17 @@ def test_metrics_count_structured_requests(server, client):
                               extra_body={"guided_choice": ["a", "b"]})
     assert server.metric("jaxkv:structured_output_requests_total") == before + 2
     assert server.metric("jaxkv:grammar_compile_seconds_total") > 0
+
+
+def test_echo_stays_content_and_completions_refuse_tools(server):
+    body = {"model": MODEL, "messages": ASK + [{"role": "assistant", "content": "Calling:"}],
+            "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+            "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "temperature": 0, "max_tokens": 48}
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == "Calling:"
+    jsonschema.validate(json.loads(msg["tool_calls"][0]["function"]["arguments"]),
+                        WEATHER["function"]["parameters"])
+    _err(server.post("/v1/completions", {"model": MODEL, "prompt": "x", "tools": [WEATHER]}), "tools")
