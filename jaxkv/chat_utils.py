@@ -106,6 +106,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 raise ValueError(f"{where}[{j}].function.arguments must be a JSON text") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}[{j}].function.arguments must be a JSON object (as text)")
         out.append({**c, "function": {**fn, "arguments": args}})
     return out
 
@@ -146,8 +148,10 @@ def render_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
     text = render(convo)
     specials = special_token_texts(tokenizer)
     for i, m in enumerate(convo):
-        if any(s in m.get("name", "") or s in m["role"] for s in specials):
-            raise ValueError(f"messages[{i}] must not have control-token text in its role or name")
+        if any(s in m.get("name", "") or s in m["role"] or s in m.get("tool_call_id", "")
+               for s in specials):
+            raise ValueError(f"messages[{i}] must not have control-token text in its role, name "
+                             "or tool_call_id")
     for name, value in kwargs.items():  # template variables (documents too) are user text
         if _has_special(value, specials):
             raise ValueError(f"chat_template_kwargs: {name!r} must not contain control-token text")

@@ -32,7 +32,8 @@ class RequestMetrics:
 @dataclass
 class CompletionOutput:
     """One of the n samples. token_ids include the EOS or stop token that ended it (as vLLM);
-    text does not. finish_reason: "stop" | "length" | "abort" | None while running;
+    text does not. finish_reason: "stop" | "length" | "abort" | "error" (a structured-output
+    request whose grammar refused the sampled token, which is dropped) | None while running;
     stop_reason: the stop string or stop token id that ended it (None for EOS or length).
     logprobs: per output token, dict token id -> Logprob (top-k plus the sampled token)."""
     index: int

@@ -45,6 +45,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # vLLM's; jaxkv has one backend, so there is no fallback
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -62,6 +63,10 @@ class StructuredOutputsParams:
             if not isinstance(value, (dict, bool)):
                 raise ValueError("structured_outputs.json: a JSON schema must be an object, "
                                  f"got {type(value).__name__}")
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json: not JSON data ({e})"[:300]) from None
             self.json = value
         elif kind == "choice":
             if (isinstance(value, str) or not isinstance(value, (list, tuple)) or not value
@@ -74,7 +79,7 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json_object: must be true, got {value!r}")
         elif not isinstance(value, str) or not value:
             raise ValueError(f"structured_outputs.{kind}: must be a non-empty string, got {value!r}"[:300])
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name}: must be a bool")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
@@ -87,6 +92,9 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs: must be an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
+        if "structural_tag" in unknown:
+            raise ValueError("structured_outputs.structural_tag: not supported by jaxkv (json, "
+                             "regex, choice, grammar and json_object are)")
         if unknown:
             raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} "
                              f"(known: {', '.join(sorted(known))})")
@@ -135,6 +143,10 @@ class StructuredOutputsParams:
 
         grammar = self.to_grammar()
         err = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
+        if err and self.whitespace_pattern and self.kind in ("json", "json_object"):
+            alone = llguidance.LLMatcher.grammar_from_regex(self.whitespace_pattern)
+            if llguidance.LLMatcher.validate_grammar(alone, ll_tokenizer):
+                raise ValueError(f"structured_outputs.whitespace_pattern: {_one_line(err)}")
         if err:
             raise ValueError(f"structured_outputs.{self.kind}: {_one_line(err)}")
         return grammar
@@ -152,6 +164,7 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    disable_fallback: bool = False  # vLLM's; one backend, nothing to fall back to
 
     @classmethod
     def from_value(cls, value) -> StructuredOutputsConfig:

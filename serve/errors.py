@@ -42,7 +42,8 @@ def error_response(message: str, status: int, param: str | None = None) -> JSONR
 
 
 _FIELD = re.compile(r"^([a-z_]+)((?:\[\d+\]|\.[a-z_]+)*)")  # top_k, messages[0].content[1]
-_ONE_WORD_FIELDS = {"n", "temperature", "seed", "stop", "logprobs", "prompt", "messages", "tokens"}
+_ONE_WORD_FIELDS = {"n", "temperature", "seed", "stop", "logprobs", "prompt", "messages", "tokens",
+                    "tools"}
 
 
 def bad_request(e: ValueError) -> APIError:

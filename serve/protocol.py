@@ -159,7 +159,7 @@ class ChatCompletionMessageParam(_Base):
 
 
 class FunctionDefinition(_Base):
-    name: StrictStr
+    name: StrictStr = Field(min_length=1)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema
     strict: bool | None = None

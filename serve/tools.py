@@ -9,7 +9,9 @@
 - "auto" (the default when tools are given): the model chooses; its output is parsed with
   --tool-call-parser (hermes), which needs --enable-auto-tool-choice.
 Responses carry `tool_calls` (id chatcmpl-tool-<hex>, type, function name, arguments as a
-JSON text) and finish_reason "tool_calls"; streams send the deltas the openai client joins.
+JSON text) and, as vLLM's, finish_reason "tool_calls" for auto and required calls ("stop" for
+a named one; content "" for named and required); streams send the deltas the openai client
+joins.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _id() -> str:
 
 
 def _finish(finish: str | None, called: bool) -> str | None:
+    """vLLM's rule: "tool_calls" for auto and required calls; a named call keeps "stop"."""
     return "tool_calls" if called and finish == "stop" else finish
 
 
@@ -96,9 +99,8 @@ class ToolOutput:
 
     def message(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, tool calls, finish_reason) of a whole output."""
-        if self.mode == "named":
-            return None, [ToolCall(id=_id(), function=FunctionCall(name=self.name, arguments=text))], \
-                _finish(finish, True)
+        if self.mode == "named":  # content "" and finish_reason as is, as vLLM
+            return "", [ToolCall(id=_id(), function=FunctionCall(name=self.name, arguments=text))], finish
         calls = self._required(text) if self.mode == "required" else None
         if self.mode == "auto":
             content, found = tool_parsers.extract_tool_calls(text)
@@ -107,7 +109,7 @@ class ToolOutput:
                 text = content
         if not calls:
             return text, [], finish
-        return (text if self.mode == "auto" else None), \
+        return (text if self.mode == "auto" else ""), \
             [ToolCall(id=_id(), function=FunctionCall(name=n, arguments=a)) for n, a in calls], \
             _finish(finish, True)
 
@@ -146,7 +148,7 @@ class ToolOutput:
             out = self._out(*self.stream.end())
         else:
             out = []
-        return out, _finish(finish, self.num_calls > 0)
+        return out, _finish(finish, self.num_calls > 0 and self.mode != "named")
 
     def _out(self, content: str, calls) -> list[DeltaMessage]:
         out = [DeltaMessage(content=content)] if content else []

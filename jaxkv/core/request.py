@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # structured outputs: the grammar refused the sampled token (vLLM's)
 
     @property
     def is_finished(self) -> bool:
@@ -25,7 +26,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
 
 
 @dataclass

@@ -258,9 +258,10 @@ class Scheduler:
                 self._fork(req, kids)  # before a finish below frees the parent's blocks
             upd = RequestUpdate(req, [], start)
             for token in tokens:
+                if req.grammar is not None and not req.grammar.accept(token):
+                    upd.finished = RequestStatus.FINISHED_ERROR  # the token is dropped
+                    break
                 req.append_output_token(token)
-                if req.grammar is not None:
-                    req.grammar.accept(token)
                 upd.new_token_ids.append(token)
                 if req.times.first_token_time is None:
                     req.times.first_token_time = now

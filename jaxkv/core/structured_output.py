@@ -45,14 +45,21 @@ class GrammarState:
                 self.error = f"{type(e).__name__}: {e}"[:300]
         return self.matcher is not None or self.error is not None
 
-    def accept(self, token: int) -> None:
-        """Advance the matcher over one appended token."""
+    def accept(self, token: int) -> bool:
+        """Advance the matcher over one sampled token; False (and the matcher is done) when
+        the grammar refuses it or its build failed: the request ends with an error, as vLLM
+        ends it ("grammar rejected tokens"). The mask makes this rare: a grammar that needs an
+        added token spelled as text, or a min_tokens ban or allowed_token_ids that leave no
+        token the grammar allows."""
         if self.matcher is None:
-            return
-        if not self.matcher.consume_token(int(token)):
+            logger.warning("structured output: no matcher (%s); the request ends", self.error)
+            return False
+        if self.matcher.is_error() or not self.matcher.consume_token(int(token)):
             self.num_rejected += 1
-            logger.warning("structured output: token %d not allowed by the grammar (%s)", token,
-                           self.matcher.get_error())
+            logger.warning("structured output: token %d not allowed by the grammar (%s); the "
+                           "request ends", token, " ".join(self.matcher.get_error().split())[:200])
+            return False
+        return True
 
     @property
     def is_terminated(self) -> bool:
@@ -141,9 +148,6 @@ class StructuredOutputManager:
         if w >= self.bitmask_words:
             return np.ascontiguousarray(out[:, :self.bitmask_words])
         return np.pad(out, ((0, 0), (0, self.bitmask_words - w)))
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def wait_for_any(states: list[GrammarState], timeout: float) -> None:

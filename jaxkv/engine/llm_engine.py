@@ -232,7 +232,7 @@ class LLMEngine:
                         break
             except BaseException as e:  # noqa: BLE001 - raised below, after the others
                 error = error or e
-            if upd.new_token_ids:
+            if upd.new_token_ids or upd.finished is not None:  # an error finish adds no token
                 changed.add(rid)
                 g = op.child_to_group[rid]
                 touched[g.request_id] = g

@@ -41,6 +41,7 @@ def build_engine(cls, args):
     from jaxkv.attention import get_attention
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
+    from jaxkv.loader.converted import is_converted, restore_params
     from jaxkv.loader.source import load_checkpoint, load_tokenizer
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig
@@ -61,6 +62,8 @@ def build_engine(cls, args):
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype), attention=get_attention(rc.attention_backend))
     if args.load_format == "dummy":
         params = dummy_params(model, args.seed)
+    elif is_converted(args.model):
+        params = restore_params(args.model, model)
     else:
         params = params_from_tensors(model, ckpt.tensors)
     del ckpt.tensors

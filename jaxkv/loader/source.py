@@ -1,4 +1,5 @@
-"""Which loader a `model` argument means: None -> the embedded GGUF, *.gguf, or an HF folder."""
+"""Which loader a `model` argument means: None -> the embedded GGUF, *.gguf, a folder written
+by `jaxkv convert` (jaxkv/loader/converted.py), or an HF folder."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import os
 
 
 def load_checkpoint(model: str | None, load_format: str = "auto"):
-    """Returns a Checkpoint (tensors empty for load_format="dummy").
+    """Returns a Checkpoint (tensors empty for load_format="dummy", and for a converted folder,
+    whose params the engine restores with converted.restore_params).
 
     Raises FileNotFoundError for a path that does not exist and ValueError for a format that
     does not match the path.
@@ -31,6 +33,10 @@ def load_checkpoint(model: str | None, load_format: str = "auto"):
             from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
             return Checkpoint(read_gguf_config(model), {}, tokenizer_from_gguf(model))
         return load_gguf(model)
+    from jaxkv.loader.converted import is_converted
+    if is_converted(model) and load_format in ("auto", "dummy"):
+        from transformers import AutoTokenizer
+        return Checkpoint(read_config(model), {}, AutoTokenizer.from_pretrained(model))
     from jaxkv.loader.hf import load_hf_dir
     ckpt = load_hf_dir(model, load_weights=not dummy)
     _merge_generation_config_eos(model, ckpt.config)

@@ -110,6 +110,9 @@ def test_a_request_whose_grammar_compiles_is_passed_over_not_waited_for():
     sched.update_from_output(out, RunnerOutput({"free": [7]}))
     out = sched.schedule()  # only the compiling request is left: an empty step
     assert out.scheduled == [] and sched.num_waiting == 1
-    fut.set_exception(RuntimeError("no matcher"))  # a failed build runs unconstrained
+    fut.set_exception(RuntimeError("no matcher"))  # a failed build ends the request, with an error
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["slow"] and slow.grammar.error
+    (upd,) = sched.update_from_output(out, RunnerOutput({"slow": [9]}))
+    assert upd.finished == RequestStatus.FINISHED_ERROR and upd.new_token_ids == []
+    assert slow.output_token_ids == [] and kv.num_free_blocks == kv.num_total_blocks

@@ -182,3 +182,30 @@ def test_structured_outputs_config_flag():
     cfg = StructuredOutputsConfig.from_value('{"backend": "guidance", "disable_any_whitespace": true}')
     got = cfg.apply(StructuredOutputsParams(json={"type": "object"}))
     assert got.disable_any_whitespace and not got.disable_additional_properties
+
+
+@pytest.mark.parametrize("so,field", [
+    (dict(json={"enum": {"a", "b"}}), "structured_outputs.json"),  # a set is not JSON
+    (dict(json={"type": "object"}, whitespace_pattern="("), "structured_outputs.whitespace_pattern"),
+])
+def test_more_bad_constraints_name_their_field(llm, so, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**so)), use_tqdm=False)
+    with pytest.raises(ValueError, match="structural_tag: not supported"):
+        StructuredOutputsParams.from_dict({"structural_tag": "{}"})
+    assert StructuredOutputsParams.from_dict({"regex": "a", "disable_fallback": True}).regex == "a"
+
+
+@pytest.mark.parametrize("so,extra", [
+    (dict(regex="a{1000000}"), {}),  # llguidance gives up on the lexer: the grammar refuses
+    (dict(choice=["yes", "no"]), {"min_tokens": 5}),  # the ban leaves no token it allows
+    (dict(choice=["yes", "no"]), {"allowed_token_ids": [5, 6, 7]}),
+])
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llm, so, extra):
+    """Never a "stop" on output that breaks the grammar (vLLM ends such a request too)."""
+    out = llm.generate(["Answer:"], SamplingParams(temperature=0, max_tokens=8, **extra,
+                                                   structured_outputs=StructuredOutputsParams(**so)),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error", out
+    s = llm.stats()
+    assert s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
