@@ -94,7 +94,9 @@ class EngineArgs:
     max_logprobs: int = _arg(20, "most logprobs a request may ask for")
     seed: int = _arg(0, "engine seed: unseeded requests draw their seeds from it")
     swap_space: float = _arg(0, "reserved: host-memory swap is not implemented yet (0)")
-    tensor_parallel_size: int = _arg(1, "reserved: only 1 is supported yet")
+    tensor_parallel_size: int = _arg(1, "devices the model is split over (tensor parallelism on "
+                                     "a JAX mesh: heads and MLP columns per device, the KV pool by "
+                                     "KV head)")
     token_buckets: tuple[int, ...] | None = _arg(
         None, "padded token counts of a step, e.g. 8,64,256 (default: powers of 2 below "
         "max_num_batched_tokens, then the budget)", type=_int_list, metavar="N,N,...")
@@ -153,8 +155,7 @@ class EngineArgs:
                 "prompts under max_num_batched_tokens (as vLLM V1)")
         if self.swap_space:
             bad("swap_space", "is reserved: swapping to host memory is not implemented yet (use 0)")
-        if self.tensor_parallel_size != 1:
-            bad("tensor_parallel_size", "is reserved: only 1 is supported yet")
+        pos_int("tensor_parallel_size")
         for name in ("token_buckets", "warmup_token_buckets"):
             v = getattr(self, name)
             if v is not None and (not v or not all(_positive_int(x) for x in v)):

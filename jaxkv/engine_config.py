@@ -55,6 +55,7 @@ class RunnerConfig:
     warmup_token_buckets: tuple[int, ...]
     # The KV pool's dtype (a jnp dtype name: the weights' dtype, or narrower with kv_cache_dtype).
     kv_cache_dtype: str = "float32"
+    tensor_parallel_size: int = 1  # devices of the mesh the step is split over
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,21 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+
+def check_tensor_parallel(cfg, n: int) -> None:
+    """ValueError in one line when no layout splits the model's heads over `n` devices."""
+    if n == 1:
+        return
+    if cfg.num_heads % n:
+        raise ValueError(f"tensor_parallel_size {n} must divide num_attention_heads "
+                         f"({cfg.num_heads})")
+    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {n} and num_key_value_heads ({cfg.num_kv_heads}) "
+                         "must divide one another (KV heads are split, or replicated when fewer)")
+    if cfg.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size {n} must divide intermediate_size "
+                         f"({cfg.intermediate_size})")
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -187,19 +203,25 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                          "step's token budget with its request's own token")
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     kv_bytes = None if args.kv_cache_memory_bytes is None else parse_bytes(args.kv_cache_memory_bytes)
+    tp = args.tensor_parallel_size
+    check_tensor_parallel(mc, tp)
+    # Per device, as vLLM's budgets: with tensor parallelism a device holds its KV heads only
+    # (all of them when they are replicated).
+    kv_heads = mc.num_kv_heads // tp if mc.num_kv_heads % tp == 0 else mc.num_kv_heads
     budget = plan_kv_cache(
-        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        num_layers=mc.num_layers, num_kv_heads=kv_heads, head_dim=mc.head_dim,
         dtype_bytes=DTYPE_BYTES[kv_dtype], scale_bytes=KV_SCALE_BYTES.get(kv_dtype, 0),
         block_size=args.block_size, max_model_len=max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory_bytes,
-        used_memory_bytes=mc.num_params() * DTYPE_BYTES[dtype])
+        used_memory_bytes=mc.num_params() * DTYPE_BYTES[dtype] // tp)
     return EngineConfig(
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc,
         cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget),
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
-                            args.max_logprobs, args.enforce_eager, warmup_buckets, kv_dtype),
+                            args.max_logprobs, args.enforce_eager, warmup_buckets, kv_dtype,
+                            args.tensor_parallel_size),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))

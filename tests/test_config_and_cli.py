@@ -14,7 +14,7 @@ from jaxkv.core.kv_budget import parse_bytes, plan_kv_cache
     (dict(block_size=12), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(dtype="fp8"), "dtype"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(kv_cache_memory_bytes="lots"), "kv_cache_memory_bytes"), (dict(load_format="pt"), "load_format"),
-    (dict(attention_backend="cuda"), "attention_backend"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(attention_backend="cuda"), "attention_backend"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(max_model_len=-1), "max_model_len"), (dict(token_buckets=(8, 0)), "token_buckets"),
     (dict(warmup_token_buckets=()), "warmup_token_buckets"),
     (dict(token_buckets=(8, 64), warmup_token_buckets=(16, 64)), "warmup_token_buckets"),

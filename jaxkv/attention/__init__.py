@@ -114,8 +114,29 @@ def write_and_attend(attention: Attention, q, k, v, pool: KVPool, step: StepInpu
     return (rotate(out) if rotated else out), pool
 
 
-def get_attention(backend: str) -> Attention:
-    """The Attention of a resolved backend name ("xla" | "pallas"); ValueError otherwise."""
+def per_shard(attention: Attention, mesh, axis: str = "tp") -> Attention:
+    """Tensor parallelism for a kernel XLA cannot partition (a Pallas call): `attend` runs per
+    device under jax.shard_map, on the device's query heads [T, Hq / n, D] and its KV heads of
+    the pool (split on its KV-head axis), with the step's metadata replicated. The pool must be
+    split by KV head (jaxkv/models/sharding.py)."""
+    from jax.sharding import PartitionSpec as P
+    heads = P(None, axis, None)
+
+    def attend(q, pool, step, shared, *, layer, scale):
+        pool_spec = jax.tree.map(lambda x: P(*([None] * 3 + [axis] + [None] * (x.ndim - 4))), pool)
+        body = lambda q, pool, step, shared: attention.attend(  # noqa: E731
+            q, pool, step, shared, layer=layer, scale=scale)
+        return jax.shard_map(body, mesh=mesh, in_specs=(heads, pool_spec, P(), P()),
+                             out_specs=heads, check_vma=False)(q, pool, step, shared)
+    return dataclasses.replace(attention, attend=attend)
+
+
+def get_attention(backend: str, mesh=None) -> Attention:
+    """The Attention of a resolved backend name ("xla" | "pallas"); ValueError otherwise.
+    With a tensor-parallel `mesh` the Pallas kernels run per shard (`per_shard`); the XLA path
+    is partitioned by XLA from the shardings of its operands."""
     if backend not in _BACKENDS:
         raise ValueError(f"attention backend must be 'xla' or 'pallas', got {backend!r}")
+    if mesh is not None and backend == "pallas":
+        return per_shard(_BACKENDS[backend], mesh)
     return _BACKENDS[backend]

@@ -59,15 +59,26 @@ def build_engine(cls, args):
                                        model_config=ModelConfig.from_hf_config(ckpt.config),
                                        device_memory_bytes=device_memory_bytes(platform))
     mc, rc = config.model_config, config.runner
-    model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype), attention=get_attention(rc.attention_backend))
+    mesh = None
+    if rc.tensor_parallel_size > 1:
+        from jaxkv.models.sharding import kv_heads_split, make_mesh
+        mesh = make_mesh(rc.tensor_parallel_size)
+        if rc.attention_backend == "pallas" and not kv_heads_split(mc, mesh):
+            raise ValueError(f"attention_backend pallas with tensor_parallel_size "
+                             f"{rc.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
+                             "split over the devices, not replicated (use the xla backend)")
+    model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
+                       attention=get_attention(rc.attention_backend, mesh))
     if args.load_format == "dummy":
         params = dummy_params(model, args.seed)
     elif is_converted(args.model):
-        params = restore_params(args.model, model)
+        params = restore_params(args.model, model, mesh)
     else:
         params = params_from_tensors(model, ckpt.tensors)
     del ckpt.tensors
-    logger.info("%s (%s)", config.cache.budget.log_line(), rc.kv_cache_dtype)
+    logger.info("%s (%s)%s", config.cache.budget.log_line(), rc.kv_cache_dtype,
+                f"; per device of tensor_parallel_size {rc.tensor_parallel_size}"
+                if rc.tensor_parallel_size > 1 else "")
 
     runner = ModelRunner(model, params, config)
     cc = config.cache

@@ -61,18 +61,25 @@ def _checkpointer():
     return ocp.Checkpointer(ocp.StandardCheckpointHandler())
 
 
-def restore_params(path: str, model) -> dict:
+def restore_params(path: str, model, mesh=None) -> dict:
     """The params of `model` (a LlamaModel) from the converted folder `path`, as arrays of the
-    model's dtype on the default device. ValueError naming the folder when the checkpoint does
-    not hold this model's parameter tree."""
+    model's dtype on the default device, or with a tensor-parallel `mesh` each restored
+    straight into its sharding (jaxkv/models/sharding.py: every device reads its own slice).
+    ValueError naming the folder when the checkpoint does not hold this model's parameter tree."""
     import jax
     import orbax.checkpoint as ocp
 
     from jaxkv.models.params import param_shapes
 
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, model.dtype, sharding=device),
-                          param_shapes(model))
+    shapes = param_shapes(model)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda s: device, shapes)
+    else:
+        from jaxkv.models.sharding import param_shardings
+        shardings = param_shardings(shapes, model.cfg, mesh)
+    target = jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, model.dtype, sharding=d),
+                          shapes, shardings)
     try:
         with _checkpointer() as c:
             return c.restore(os.path.abspath(os.path.join(path, PARAMS)),

@@ -39,9 +39,11 @@ from jaxkv.runner.input_builder import build_step_input
 logger = logging.getLogger("jaxkv")
 
 
-def abstract(tree):
-    """The shapes and dtypes of a pytree of arrays, as jax.ShapeDtypeStruct."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+def abstract(tree, sharded: bool = False):
+    """The shapes and dtypes of a pytree of arrays, as jax.ShapeDtypeStruct; with `sharded`
+    (tensor parallelism) their shardings too, so that the programs take the arrays as placed."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=getattr(x, "sharding", None) if sharded else None), tree)
 
 
 def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
@@ -54,14 +56,15 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
     empty = SchedulerOutput([])
     si = build_step_input(empty, block_size=runner.block_size, num_tokens=t, rows=r,
                           max_blocks=runner.max_blocks)
-    params = abstract(runner.params)
+    tp = getattr(runner, "mesh", None) is not None
+    params = abstract(runner.params, tp)
     for decode_only in ((False, True) if t <= runner.decode_max else (False,)):
         if (t, decode_only) not in runner._step_exe:
             if stopped():
                 return False
             runner._step_exe[(t, decode_only)] = runner.jitted_step.lower(
                 params, runner.kv_spec, dataclasses.replace(si, decode_only=decode_only)).compile()
-    hidden = abstract(runner._step_exe[(t, False)].out_info[0])  # [t, hidden_size]
+    hidden = abstract(runner._step_exe[(t, False)].out_info[0], tp)  # [t, hidden_size]
     for rs in runner.sample_row_counts(t):
         gather = runner._gather_rows.lower(hidden, np.zeros(rs, np.int32))
         gather.compile()
@@ -72,7 +75,7 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
                 for bitmask in (None, mask):  # free rows; structured outputs' masked rows
                     if stopped():
                         return False
-                    runner._sample.lower(params, abstract(gather.out_info), s_arr, None, bitmask,
+                    runner._sample.lower(params, abstract(gather.out_info, tp), s_arr, None, bitmask,
                                          mode=mode, num_logprobs=0).compile()
             runner._sampler_rows.add(rs)
     return True

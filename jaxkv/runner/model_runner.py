@@ -26,6 +26,7 @@ from jaxkv.engine_config import EngineConfig
 from jaxkv.models.llama import LlamaModel
 from jaxkv.runner import sampler as smp
 from jaxkv.runner import sampling_rows as rows
+from jaxkv.models import sharding as sh
 from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, compile_bucket
@@ -50,8 +51,15 @@ class ModelRunner:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.vocab_size = model.cfg.vocab_size
         self.num_blocks = cc.num_blocks
+        # Tensor parallelism (jaxkv/models/sharding.py): a mesh, the params placed on it; None
+        # on one device.
+        self.mesh = sh.make_mesh(rc.tensor_parallel_size) if rc.tensor_parallel_size > 1 else None
+        if self.mesh is not None:
+            params = self.params = jax.device_put(params, sh.param_shardings(params, model.cfg, self.mesh))
         self.kv_cache = self._new_kv_cache()
-        self.kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_cache)
+        self.kv_spec = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if self.mesh else None),
+            self.kv_cache)
         self.enforce_eager = enforce_eager = rc.enforce_eager
         self.mark_decode_only = model.attention.uses_decode_only
         self.warmup_token_buckets = rc.warmup_token_buckets
@@ -68,8 +76,17 @@ class ModelRunner:
         self.background: BackgroundCompiler | None = None
         self.compiles = CompileCounter()  # every program this runner's calls compile
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
-        # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated.
-        self.jitted_step = jit(self.step_fn, donate_argnums=(1,))
+        # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated;
+        # with a mesh, its inputs and outputs placed as sharding.py says (XLA partitions it).
+        if self.mesh is not None and not enforce_eager:
+            pool_sh = jax.tree.map(lambda x: x.sharding, self.kv_cache)
+            rep = sh.replicated(self.mesh)
+            self.jitted_step = jax.jit(self.step_fn, donate_argnums=(1,),
+                                       in_shardings=(jax.tree.map(lambda x: x.sharding, params),
+                                                     pool_sh, rep),
+                                       out_shardings=(rep, pool_sh))
+        else:
+            self.jitted_step = jit(self.step_fn, donate_argnums=(1,))
         self._step_exe: dict[tuple[int, bool], object] = {}  # (bucket, decode_only) -> AOT step
         self._sampler_rows: set[int] = set()  # row counts whose sampler programs are compiled
         # The sampled rows are gathered by a small program of their own, so the sampler's
@@ -137,7 +154,11 @@ class ModelRunner:
         c = self.model.cfg
         shape = (c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         dtype = jnp.dtype(self.config.runner.kv_cache_dtype)  # the weights' or narrower
-        return new_kv_pool(shape, dtype)
+        if self.mesh is None:
+            return new_kv_pool(shape, dtype)
+        shardings = sh.kv_pool_shardings(jax.eval_shape(lambda: new_kv_pool(shape, dtype)),
+                                         self.model.cfg, self.mesh)
+        return jax.jit(lambda: new_kv_pool(shape, dtype), out_shardings=shardings)()  # per shard
 
     def recover_kv_cache(self) -> bool:
         """After a failed step: True when the KV pool did not survive it (donated to a program

@@ -1,0 +1,85 @@
+"""Tensor parallelism: a 1-D device mesh ("tp") and where each array of the step lives on it.
+
+Megatron-style, as vLLM lays a Llama out (Shoeybi et al. 2019): q/k/v and gate/up kernels are
+split by output columns (heads), o and down by input rows, so each device computes its heads'
+attention and its slice of the MLP, and XLA inserts the all-reduce after o_proj and down_proj
+(GSPMD propagates the rest from these annotations: nothing home-made on the wire). The
+embedding and the LM head are split by vocabulary when it divides. The KV pool is split by KV
+head; when there are fewer KV heads than devices (and the device count is a multiple of
+them) K/V are replicated, as vLLM replicates them. Norms and everything of the host
+(StepInput, block tables, sampler rows) are replicated: one block table serves every shard.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXIS = "tp"
+
+
+def make_mesh(n: int) -> Mesh:
+    """A mesh over the first n devices; ValueError naming both numbers when there are fewer."""
+    devices = jax.devices()
+    if len(devices) < n:
+        raise ValueError(f"tensor_parallel_size {n} needs {n} devices, found {len(devices)} "
+                         f"{devices[0].platform} device(s) (on a CPU: "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+    return Mesh(np.asarray(devices[:n]), (AXIS,))
+
+
+def kv_heads_split(cfg, mesh: Mesh | None) -> bool:
+    """Whether the KV pool (and k/v projections) are split by KV head (else replicated)."""
+    return mesh is not None and cfg.num_kv_heads % mesh.size == 0
+
+
+def param_specs(params, cfg, mesh: Mesh):
+    """PartitionSpecs of the LlamaModel parameter tree (jaxkv.models.llama names)."""
+    kv = kv_heads_split(cfg, mesh)
+    vocab = cfg.vocab_size % mesh.size == 0
+    cols = {"q_proj": True, "k_proj": kv, "v_proj": kv, "gate_proj": True, "up_proj": True}
+    rows = ("o_proj", "down_proj")
+
+    def spec(path, x):
+        names = [str(getattr(p, "key", p)) for p in path]
+        module, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
+        if module in cols and cols[module]:
+            return P(None, AXIS) if leaf == "kernel" else P(AXIS)  # kernel [in, out], bias [out]
+        if module in rows and leaf == "kernel":
+            return P(AXIS, None)
+        if module == "embed_tokens" and vocab:
+            return P(AXIS, None)  # [vocab, hidden]
+        if module == "lm_head" and leaf == "kernel" and vocab:
+            return P(None, AXIS)  # [hidden, vocab]
+        return P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def param_shardings(params, cfg, mesh: Mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, cfg, mesh))
+
+
+def kv_pool_specs(pool, cfg, mesh: Mesh):
+    """PartitionSpecs of a KVPool: values [L, blocks, block_size, kv_heads, head_dim] and
+    scales [L, blocks, block_size, kv_heads] split on kv_heads (or replicated)."""
+    split = kv_heads_split(cfg, mesh)
+    return jax.tree.map(lambda x: P(*([None] * 3 + [AXIS] + [None] * (x.ndim - 4))) if split
+                        else P(), pool)
+
+
+def kv_pool_shardings(pool, cfg, mesh: Mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), kv_pool_specs(pool, cfg, mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def bytes_per_device(tree) -> list[int]:
+    """Bytes each device holds of a pytree of arrays (for stats and tests)."""
+    out: dict = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
+    return [out[k] for k in sorted(out)]

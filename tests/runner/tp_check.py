@@ -1,0 +1,127 @@
+"""Tensor-parallel runs in a process of their own (forced host devices must be set before JAX
+starts): `python -m tests.runner.tp_check CASE` prints one JSON line for
+tests/runner/test_tensor_parallel.py.
+
+tiny: a random-weight Llama (4 query / 2 KV heads) at TP 1, 2 (KV heads split) and 4 (KV
+heads replicated), and the Pallas kernels per shard at TP 2: greedy tokens with top-2 margins,
+shardings and bytes per device. smollm2: the embedded model at TP 1 and 3 (9 / 3 heads).
+errors: the one-line errors. converted: a `jaxkv convert` folder restored under TP 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=True)
+ENGINE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8, token_buckets=(8, 32),
+              kv_cache_memory_bytes=1 << 20, seed=0)
+
+
+def tiny_folder() -> str:
+    from jaxkv.loader.gguf import embedded_model_path
+    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(TINY, f)
+    tokenizer_from_gguf(embedded_model_path()).save_pretrained(d)
+    return d
+
+
+def run(llm, prompts, max_tokens):
+    from jaxkv import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[{str(t): lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]
+                         for o in outs]}
+
+
+def layout(llm) -> dict:
+    from jaxkv.models.sharding import bytes_per_device
+    r = llm.llm_engine.runner
+    spec = lambda x: str(getattr(x.sharding, "spec", "single"))  # noqa: E731
+    return {"q_proj": spec(r.params["layers_0"]["q_proj"]["kernel"]),
+            "o_proj": spec(r.params["layers_0"]["o_proj"]["kernel"]),
+            "embed": spec(r.params["embed_tokens"]["embedding"]),
+            "pool": spec(r.kv_cache.k), "pool_bytes": bytes_per_device(r.kv_cache),
+            "param_bytes": bytes_per_device(r.params), "num_blocks": r.num_blocks}
+
+
+def main(case: str) -> dict:
+    from jaxkv import LLM
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 5 * i))} for i in range(5)]
+    if case == "tiny":
+        d, out = tiny_folder(), {}
+        for backend, tp in (("xla", 1), ("xla", 2), ("xla", 4), ("pallas", 2)):
+            llm = LLM(model=d, load_format="dummy", tensor_parallel_size=tp,
+                      attention_backend=backend, **ENGINE)
+            out[f"{backend}{tp}"] = {**run(llm, prompts, 10), **layout(llm)}
+            llm.llm_engine.shutdown()
+        return out
+    if case == "smollm2":
+        out = {}
+        for tp in (1, 3):
+            llm = LLM(tensor_parallel_size=tp, **dict(ENGINE, max_model_len=256,
+                                                      kv_cache_memory_bytes=8 << 20))
+            out[str(tp)] = {**run(llm, prompts[:3], 8), **layout(llm)}
+            llm.llm_engine.shutdown()
+        return out
+    if case == "errors":
+        d, out = tiny_folder(), {}
+        for name, kw in (("heads", dict(tensor_parallel_size=3)),
+                         ("pallas_replicated", dict(tensor_parallel_size=4, attention_backend="pallas"))):
+            try:
+                LLM(model=d, load_format="dummy", **{**ENGINE, **kw})
+                out[name] = None
+            except ValueError as e:
+                out[name] = str(e)
+        from jaxkv.models.sharding import make_mesh
+        try:
+            make_mesh(8)
+            out["devices"] = None
+        except ValueError as e:
+            out["devices"] = str(e)
+        return out
+    if case == "converted":
+        from jaxkv.loader.converted import convert
+        d = os.path.join(tempfile.mkdtemp(), "conv")
+        convert(tiny_folder_with_weights(), d)
+        a = LLM(model=d, tensor_parallel_size=2, **ENGINE)
+        b = LLM(model=d, **ENGINE)
+        return {"tp2": {**run(a, prompts, 6), **layout(a)}, "tp1": run(b, prompts, 6)}
+    raise SystemExit(f"unknown case {case!r}")
+
+
+def tiny_folder_with_weights() -> str:
+    """The tiny config with random safetensors weights (numpy), so `convert` has tensors."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    d, rng, c = tiny_folder(), np.random.default_rng(0), TINY
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    t = {"model.embed_tokens.weight": rng.normal(0, 0.5, (c["vocab_size"], h)),
+         "model.norm.weight": np.ones(h)}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        t.update({p + "input_layernorm.weight": np.ones(h), p + "post_attention_layernorm.weight": np.ones(h),
+                  p + "self_attn.q_proj.weight": rng.normal(0, 0.2, (c["num_attention_heads"] * hd, h)),
+                  p + "self_attn.k_proj.weight": rng.normal(0, 0.2, (c["num_key_value_heads"] * hd, h)),
+                  p + "self_attn.v_proj.weight": rng.normal(0, 0.2, (c["num_key_value_heads"] * hd, h)),
+                  p + "self_attn.o_proj.weight": rng.normal(0, 0.2, (h, c["num_attention_heads"] * hd)),
+                  p + "mlp.gate_proj.weight": rng.normal(0, 0.2, (i, h)),
+                  p + "mlp.up_proj.weight": rng.normal(0, 0.2, (i, h)),
+                  p + "mlp.down_proj.weight": rng.normal(0, 0.2, (h, i))})
+    save_file({k: v.astype(np.float32) for k, v in t.items()}, os.path.join(d, "model.safetensors"))
+    return d
+
+
+if __name__ == "__main__":
+    print("TP_RESULT " + json.dumps(main(sys.argv[1])), flush=True)
