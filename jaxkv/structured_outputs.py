@@ -198,14 +198,29 @@ class StructuredOutputsConfig:
                                            or self.disable_additional_properties))
 
 
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
 def _no_additional_properties(schema):
-    """A copy of `schema` where every object schema without additionalProperties gets false."""
-    if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
+    """A copy of `schema` where every object schema that declares properties and says nothing
+    of additionalProperties gets false (OpenAI's strict mode). An object without declared
+    properties ({"type": "object"}, or one whose keys come from anyOf branches) is left open:
+    false there would allow no key at all."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _no_additional_properties(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    out = dict(schema)
+    for k in _SUBSCHEMA:
+        if isinstance(out.get(k), dict):
+            out[k] = _no_additional_properties(out[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [_no_additional_properties(s) for s in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: _no_additional_properties(s) for n, s in out[k].items()}
+    if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 

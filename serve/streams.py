@@ -100,6 +100,8 @@ def check_unsupported(req, chat: bool = False) -> None:
     extra = dict(req.model_extra or {})
     for name, value in extra.items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            if name in ("tools", "tool_choice"):
+                raise APIError(f"{name}: tools are supported on /v1/chat/completions only", 400, name)
             raise APIError(f"{name} is not supported by jaxkv (got {value!r})"[:300], 400, name)
     if chat and extra.get("add_special_tokens", False) is not False:
         raise APIError("add_special_tokens=true is not supported on chat completions (the chat "

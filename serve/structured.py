@@ -42,7 +42,9 @@ def request_constraint(req) -> tuple[StructuredOutputsParams | None, str]:
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise APIError("response_format.json_schema.schema must be given for type "
                                "json_schema", 400, "response_format")
-            return StructuredOutputsParams(json=rf.json_schema.json_schema), field
+            # OpenAI's strict mode: no keys beyond the declared properties.
+            return StructuredOutputsParams(json=rf.json_schema.json_schema,
+                                           disable_additional_properties=bool(rf.json_schema.strict)), field
         if field == "structured_outputs":
             return StructuredOutputsParams.from_dict(req.structured_outputs), field
         return StructuredOutputsParams(**{GUIDED[field]: getattr(req, field)},

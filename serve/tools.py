@@ -5,7 +5,8 @@
 - "none": the model answers in text (the tools are still shown to the template);
 - a named function: the output is that function's arguments, enforced with its parameters'
   JSON schema; "required": a JSON array of {"name", "parameters"} calls (at least one; one
-  with parallel_tool_calls=false), enforced with a schema built from every tool, as vLLM's;
+  with parallel_tool_calls=false), enforced with a schema built from every tool, as vLLM's
+  (jaxkv closes each call object to those two keys);
 - "auto" (the default when tools are given): the model chooses; its output is parsed with
   --tool-call-parser (hermes), which needs --enable-auto-tool-choice.
 Responses carry `tool_calls` (id chatcmpl-tool-<hex>, type, function name, arguments as a
@@ -69,7 +70,8 @@ def tool_constraint(req, mode: str) -> StructuredOutputsParams | None:
         items = {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": [t.function.name]},
                             "parameters": _parameters(t)},
-             "required": ["name", "parameters"]} for t in req.tools]}
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for t in req.tools]}
         schema = {"type": "array", "minItems": 1, "items": items}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1

@@ -15,7 +15,7 @@ def test_defaults_match_vllm():
         ignore_eos=False, min_tokens=0, max_tokens=16, logprobs=None, prompt_logprobs=None,
         skip_special_tokens=True, include_stop_str_in_output=False,
         output_kind=RequestOutputKind.CUMULATIVE, logit_bias=None, allowed_token_ids=None,
-        bad_words=None, spaces_between_special_tokens=True,
+        bad_words=None, spaces_between_special_tokens=True, structured_outputs=None,
     )
     assert {f.name: getattr(p, f.name) for f in dataclasses.fields(p)} == expected
     assert not p.is_greedy

@@ -309,6 +309,7 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
+            tensor_parallel_size=self.config.runner.tensor_parallel_size,
             token_buckets=self.config.runner.token_buckets,
             compiled_token_buckets=self.runner.compiled_token_buckets,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,

@@ -19,6 +19,7 @@ class EngineStats:
     num_compilations: int          # programs compiled by the engine (warmup and background included)
     num_running: int
     num_waiting: int
+    tensor_parallel_size: int = 1                 # devices the step is split over
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step
     compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
     # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests

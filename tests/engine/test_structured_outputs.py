@@ -209,3 +209,19 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llm, so, ext
     assert out.finish_reason == "error", out
     s = llm.stats()
     assert s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
+
+
+def test_no_additional_properties_leaves_anyof_objects_satisfiable(llm):
+    """The flag closes objects that declare properties, not an object whose keys come from
+    its anyOf branches (tool_choice required's schema has that shape)."""
+    schema = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"enum": ["get_weather"]},
+                        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                       "required": ["city"]}},
+         "required": ["name", "parameters"]}]}}
+    so = StructuredOutputsParams(json=schema, disable_additional_properties=True, disable_any_whitespace=True)
+    out = llm.chat([chat("Weather in Paris? Call the tool.")],
+                   SamplingParams(temperature=0, max_tokens=64, structured_outputs=so), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+    (call,) = json.loads(out.outputs[0].text)
+    assert set(call) == {"name", "parameters"} and set(call["parameters"]) == {"city"}

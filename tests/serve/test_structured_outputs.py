@@ -49,6 +49,17 @@ def test_response_format_json_schema_and_json_object(client):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_strict_closes_the_schema_to_its_properties(client):
+    open_person = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON with many fields."}],
+        temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": open_person,
+                                                                "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    assert set(json.loads(r.choices[0].message.content)) <= {"name", "age"}
+
+
 def test_response_format_streamed(client):
     chunks = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}],
