@@ -73,8 +73,10 @@ def cmd_plan(ns) -> int:
         per_head = f"{mc.head_dim} x {DTYPE_BYTES[kv_dtype]}"
         if kv_dtype in KV_SCALE_BYTES:  # one scale per token and KV head
             per_head = f"({per_head} + {KV_SCALE_BYTES[kv_dtype]} scale)"
-        print(f"bytes per token: {b.bytes_per_token:,}  (2 x {mc.num_layers} x {mc.num_kv_heads} x "
-              f"{per_head}: KV cache {kv_dtype})")
+        tp = config.runner.tensor_parallel_size
+        heads = mc.num_kv_heads // tp if mc.num_kv_heads % tp == 0 else mc.num_kv_heads
+        print(f"bytes per token: {b.bytes_per_token:,}  (2 x {mc.num_layers} x {heads} x "
+              f"{per_head}: KV cache {kv_dtype}" + (f", per device of {tp}" if tp > 1 else "") + ")")
         print(f"blocks: {b.num_blocks:,} of {b.block_size} tokens = {b.num_tokens:,} tokens")
         print(f"max concurrency at {config.max_model_len:,} tokens per request: {b.max_concurrency:.2f}")
     return 0

@@ -49,8 +49,13 @@ def test_plan_json_and_one_line_errors():
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"bytes_per_token": 46080, "num_blocks": 1456, "num_tokens": 23296,
                                     "max_concurrency": 11.375}
+    # Tensor parallelism: the budget is per device, a device holds one of SmolLM2's 3 KV heads.
+    r = run_cli("plan", "--max-model-len", "2048", "--kv-cache-memory-bytes", "1GiB", "--json",
+                "--tensor-parallel-size", "3")
+    assert json.loads(r.stdout)["bytes_per_token"] == 46080 // 3, r.stderr
     for bad in (["plan", "--block-size", "3"], ["plan", "--kv-cache-memory-bytes", "lots"],
-                ["plan", "--max-model-len", "100000"], ["generate"], ["plan", "--dtype", "fp8"]):
+                ["plan", "--max-model-len", "100000"], ["generate"], ["plan", "--dtype", "fp8"],
+                ["plan", "--tensor-parallel-size", "2"]):
         r = run_cli(*bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr
