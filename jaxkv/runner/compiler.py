@@ -67,7 +67,7 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
     hidden = abstract(runner._step_exe[(t, False)].out_info[0], tp)  # [t, hidden_size]
     for rs in runner.sample_row_counts(t):
         gather = runner._gather_rows.lower(hidden, np.zeros(rs, np.int32))
-        gather.compile()
+        rows_out = gather.compile().out_info  # placed as the step will hand it (the mesh's, with TP)
         if rs not in runner._sampler_rows:
             s_arr = sampling_arrays([], rs)
             mask = np.zeros((rs, -(-runner.vocab_size // 32)), np.int32)
@@ -75,7 +75,7 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
                 for bitmask in (None, mask):  # free rows; structured outputs' masked rows
                     if stopped():
                         return False
-                    runner._sample.lower(params, abstract(gather.out_info, tp), s_arr, None, bitmask,
+                    runner._sample.lower(params, abstract(rows_out, tp), s_arr, None, bitmask,
                                          mode=mode, num_logprobs=0).compile()
             runner._sampler_rows.add(rs)
     return True

@@ -47,6 +47,15 @@ def test_same_tokens_at_tp_1_2_4_and_pallas_per_shard(tiny):
         same_tokens(tiny[name], ref, name)
 
 
+def test_nothing_compiles_after_warmup(tiny):
+    """The sampler programs compiled at warmup take the gathered rows as the mesh places
+    them: a greedy, random and top-k workload compiles nothing at any TP (logprobs, asked by
+    the token test, compile their own variant on first use, as on one device)."""
+    one = tiny["xla1"]["compiled_after_warmup"]
+    for name in ("xla2", "xla4"):
+        assert tiny[name]["compiled_after_warmup"] == one, name
+
+
 def test_weights_and_pool_are_split(tiny):
     one, two, four = tiny["xla1"], tiny["xla2"], tiny["xla4"]
     assert one["q_proj"] == "single"

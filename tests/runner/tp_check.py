@@ -64,7 +64,15 @@ def main(case: str) -> dict:
         for backend, tp in (("xla", 1), ("xla", 2), ("xla", 4), ("pallas", 2)):
             llm = LLM(model=d, load_format="dummy", tensor_parallel_size=tp,
                       attention_backend=backend, **ENGINE)
+            n0 = llm.stats().num_compilations
             out[f"{backend}{tp}"] = {**run(llm, prompts, 10), **layout(llm)}
+            if backend == "xla":  # greedy and random rows, after warmup: nothing compiles
+                from jaxkv import SamplingParams
+                llm.generate(prompts, [SamplingParams(temperature=t, seed=1, max_tokens=4)
+                                       for t in (0.0, 0.8, 0.8, 0.0, 1.0)], use_tqdm=False)
+                llm.generate(prompts, SamplingParams(temperature=0.8, top_k=5, max_tokens=3),
+                             use_tqdm=False)
+                out[f"{backend}{tp}"]["compiled_after_warmup"] = llm.stats().num_compilations - n0
             llm.llm_engine.shutdown()
         return out
     if case == "smollm2":
