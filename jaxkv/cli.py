@@ -67,15 +67,15 @@ def cmd_plan(ns) -> int:
         print(json.dumps({"bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
                           "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4)}))
     else:
-        from jaxkv.engine_config import DTYPE_BYTES, KV_SCALE_BYTES
+        from jaxkv.engine_config import DTYPE_BYTES, KV_SCALE_BYTES, kv_heads_per_device
         print(f"model: {ns.model or 'SmolLM2-135M-Instruct (embedded)'} ({mc.num_layers} layers, "
               f"{mc.num_kv_heads} KV heads x {mc.head_dim}, {dtype} on {platform})")
         per_head = f"{mc.head_dim} x {DTYPE_BYTES[kv_dtype]}"
         if kv_dtype in KV_SCALE_BYTES:  # one scale per token and KV head
             per_head = f"({per_head} + {KV_SCALE_BYTES[kv_dtype]} scale)"
         tp = config.runner.tensor_parallel_size
-        heads = mc.num_kv_heads // tp if mc.num_kv_heads % tp == 0 else mc.num_kv_heads
-        print(f"bytes per token: {b.bytes_per_token:,}  (2 x {mc.num_layers} x {heads} x "
+        print(f"bytes per token: {b.bytes_per_token:,}  (2 x {mc.num_layers} x "
+              f"{kv_heads_per_device(mc, tp)} x "
               f"{per_head}: KV cache {kv_dtype}" + (f", per device of {tp}" if tp > 1 else "") + ")")
         print(f"blocks: {b.num_blocks:,} of {b.block_size} tokens = {b.num_tokens:,} tokens")
         print(f"max concurrency at {config.max_model_len:,} tokens per request: {b.max_concurrency:.2f}")

@@ -91,6 +91,12 @@ def check_tensor_parallel(cfg, n: int) -> None:
                          f"({cfg.intermediate_size})")
 
 
+def kv_heads_per_device(cfg, n: int) -> int:
+    """KV heads each of n tensor-parallel devices holds: its share, or all when they are
+    replicated (fewer KV heads than devices)."""
+    return cfg.num_kv_heads // n if cfg.num_kv_heads % n == 0 else cfg.num_kv_heads
+
+
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Powers of 2 below the budget, then the budget: (1, 2, 4, ..., 256, 512) for 512 tokens.
 
@@ -207,9 +213,8 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     check_tensor_parallel(mc, tp)
     # Per device, as vLLM's budgets: with tensor parallelism a device holds its KV heads only
     # (all of them when they are replicated).
-    kv_heads = mc.num_kv_heads // tp if mc.num_kv_heads % tp == 0 else mc.num_kv_heads
     budget = plan_kv_cache(
-        num_layers=mc.num_layers, num_kv_heads=kv_heads, head_dim=mc.head_dim,
+        num_layers=mc.num_layers, num_kv_heads=kv_heads_per_device(mc, tp), head_dim=mc.head_dim,
         dtype_bytes=DTYPE_BYTES[kv_dtype], scale_bytes=KV_SCALE_BYTES.get(kv_dtype, 0),
         block_size=args.block_size, max_model_len=max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_memory_bytes=kv_bytes,

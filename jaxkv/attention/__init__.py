@@ -25,7 +25,8 @@ from pallas_kernels.ragged_paged_attention import DEFAULT_BLOCK_M
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_kernel
 from pallas_kernels.validation import next_pow2
 
-from jaxkv.attention.kv_pool import KVPool, is_rotated, new_kv_pool, rotate, write_kv  # noqa: F401
+from jaxkv.attention.kv_pool import (KVPool, is_rotated, new_kv_pool, rotate,  # noqa: F401
+                                    split_by_kv_head, write_kv)
 from jaxkv.attention.xla_ragged import ragged_metadata, xla_ragged_paged_attention
 from jaxkv.step_input import StepInput
 
@@ -123,7 +124,7 @@ def per_shard(attention: Attention, mesh, axis: str = "tp") -> Attention:
     heads = P(None, axis, None)
 
     def attend(q, pool, step, shared, *, layer, scale):
-        pool_spec = jax.tree.map(lambda x: P(*([None] * 3 + [axis] + [None] * (x.ndim - 4))), pool)
+        pool_spec = split_by_kv_head(pool, axis)
         body = lambda q, pool, step, shared: attention.attend(  # noqa: E731
             q, pool, step, shared, layer=layer, scale=scale)
         return jax.shard_map(body, mesh=mesh, in_specs=(heads, pool_spec, P(), P()),

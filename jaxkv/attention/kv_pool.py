@@ -65,6 +65,13 @@ class KVPool:
     dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))
 
 
+def split_by_kv_head(pool: KVPool, axis: str):
+    """PartitionSpecs splitting a KVPool on its KV-head axis (`axis` of a device mesh): values
+    [L, blocks, block_size, kv_heads, head_dim] and scales [L, blocks, block_size, kv_heads]."""
+    from jax.sharding import PartitionSpec as P
+    return jax.tree.map(lambda x: P(*([None] * 3 + [axis] + [None] * (x.ndim - 4))), pool)
+
+
 def is_quantized(dtype) -> bool:
     """Whether a pool of this dtype stores scales (int8 and float8)."""
     return jnp.dtype(dtype).name in KV_SCALE_BYTES

@@ -33,7 +33,6 @@ class GrammarState:
         self._future = future
         self.matcher = None
         self.error: str | None = None
-        self.num_rejected = 0  # tokens the matcher refused (a sampler fallback), for tests
 
     @property
     def ready(self) -> bool:
@@ -55,16 +54,10 @@ class GrammarState:
             logger.warning("structured output: no matcher (%s); the request ends", self.error)
             return False
         if self.matcher.is_error() or not self.matcher.consume_token(int(token)):
-            self.num_rejected += 1
             logger.warning("structured output: token %d not allowed by the grammar (%s); the "
                            "request ends", token, " ".join(self.matcher.get_error().split())[:200])
             return False
         return True
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete and accepts no more tokens."""
-        return self.matcher is not None and self.matcher.is_stopped()
 
     def release(self) -> None:
         self._future.cancel()
@@ -90,7 +83,6 @@ class StructuredOutputManager:
         self.num_requests = 0  # constrained sequences added (each n > 1 sample counts)
         self.num_compiled = 0  # matchers built
         self.compile_seconds = 0.0  # their total build time (on the pool's threads)
-        self._pool.submit(lambda: self.ll_tokenizer)  # wrap the tokenizer off the step loop
 
     @property
     def ll_tokenizer(self):

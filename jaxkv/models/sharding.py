@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxkv.attention.kv_pool import split_by_kv_head
+
 AXIS = "tp"
 
 
@@ -63,9 +65,9 @@ def param_shardings(params, cfg, mesh: Mesh):
 def kv_pool_specs(pool, cfg, mesh: Mesh):
     """PartitionSpecs of a KVPool: values [L, blocks, block_size, kv_heads, head_dim] and
     scales [L, blocks, block_size, kv_heads] split on kv_heads (or replicated)."""
-    split = kv_heads_split(cfg, mesh)
-    return jax.tree.map(lambda x: P(*([None] * 3 + [AXIS] + [None] * (x.ndim - 4))) if split
-                        else P(), pool)
+    if kv_heads_split(cfg, mesh):
+        return split_by_kv_head(pool, AXIS)
+    return jax.tree.map(lambda x: P(), pool)
 
 
 def kv_pool_shardings(pool, cfg, mesh: Mesh):

@@ -24,21 +24,30 @@ def workload():
     return prompts, params
 
 
-def test_preemption_keeps_outputs(llm, small_pool):
-    prompts, params = workload()
-    assert small_pool.stats().num_total_blocks == 39
-    need = sum(-(-(len(p["prompt_token_ids"]) + sp.max_tokens) // 16) for p, sp in zip(prompts, params))
-    assert need > 39  # the pool cannot hold them all at once
+def preempted_like_ample(llm, small_pool, prompts, params, what):
+    """Run the workload on the ample pool and on the small one: the small one preempts, ends
+    with every block free, and its greedy outputs are the ample pool's (near-ties aside).
+    Returns the small pool's outputs."""
     ref = llm.generate(prompts, params, use_tqdm=False)
     before = small_pool.stats().num_preemptions
     got = small_pool.generate(prompts, params, use_tqdm=False)
     s = small_pool.stats()
     assert s.num_preemptions > before
     assert s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
-    for a, b, sp in zip(got, ref, params):
-        assert len(a.outputs[0].token_ids) == sp.max_tokens
+    for a, b in zip(got, ref):
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
-                                margins_from_logprobs(b.outputs[0].logprobs), what="preempted vs ample")
+                                margins_from_logprobs(b.outputs[0].logprobs), what=what)
+    return got
+
+
+def test_preemption_keeps_outputs(llm, small_pool):
+    prompts, params = workload()
+    assert small_pool.stats().num_total_blocks == 39
+    need = sum(-(-(len(p["prompt_token_ids"]) + sp.max_tokens) // 16) for p, sp in zip(prompts, params))
+    assert need > 39  # the pool cannot hold them all at once
+    got = preempted_like_ample(llm, small_pool, prompts, params, "preempted vs ample")
+    for a, sp in zip(got, params):
+        assert len(a.outputs[0].token_ids) == sp.max_tokens
 
 
 def test_request_that_can_never_fit_is_rejected(small_pool):
@@ -63,14 +72,6 @@ def test_preemption_keeps_structured_outputs(llm, small_pool):
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(200, 20000, 100).tolist()} for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=160, logprobs=2, structured_outputs=so)
-    ref = llm.generate(prompts, params, use_tqdm=False)
-    before = small_pool.stats().num_preemptions
-    got = small_pool.generate(prompts, params, use_tqdm=False)
-    s = small_pool.stats()
-    assert s.num_preemptions > before
-    assert s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
-    for a, b in zip(got, ref):
-        assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
-                                margins_from_logprobs(b.outputs[0].logprobs), what="preempted JSON")
+    for a in preempted_like_ample(llm, small_pool, prompts, params, "preempted JSON"):
         if a.outputs[0].finish_reason == "stop":
             assert 30 <= len(json.loads(a.outputs[0].text)["items"]) <= 40

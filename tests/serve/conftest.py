@@ -132,3 +132,23 @@ def server():
 def client(server):
     from openai import OpenAI
     return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def join_tool_calls(r, stream: bool):
+    """(content, tool calls as {"id", "name", "arguments"} dicts, finish_reason) of a chat
+    response, or of a stream's chunks joined as the openai client's users join deltas."""
+    if not stream:
+        m = r.choices[0].message
+        return m.content, [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+                           for t in m.tool_calls or []], r.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in r:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for t in ch.delta.tool_calls or []:
+                c = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
+                c["id"] = c["id"] or t.id
+                c["name"] += t.function.name or ""
+                c["arguments"] += t.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish

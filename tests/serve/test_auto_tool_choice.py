@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from serve.tool_parsers import HermesStream, extract_tool_calls
-from tests.serve.conftest import _free_port
+from tests.serve.conftest import _free_port, join_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 TWO = CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}\n</tool_call>'
@@ -148,7 +148,7 @@ def test_auto_tool_choice_renders_tools_and_parses_calls(qwen_server):
             r = client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="auto",
                                                temperature=0, max_tokens=120, stream=stream,
                                                extra_body={"structured_outputs": {"choice": [text]}})
-            got_content, calls, finish = _join(r, stream)
+            got_content, calls, finish = join_tool_calls(r, stream)
             assert finish == "tool_calls", (got_content, calls, stream)
             assert (got_content or None) == content
             assert [(c["name"], c["arguments"]) for c in calls] == [PARIS, TZ]
@@ -161,20 +161,3 @@ def test_auto_tool_choice_renders_tools_and_parses_calls(qwen_server):
                                        temperature=0)
     assert r.usage.prompt_tokens > free.usage.prompt_tokens
 
-
-def _join(r, stream):
-    if not stream:
-        m = r.choices[0].message
-        return m.content, [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
-                           for t in m.tool_calls or []], r.choices[0].finish_reason
-    content, calls, finish = "", {}, None
-    for chunk in r:
-        for ch in chunk.choices:
-            content += ch.delta.content or ""
-            for t in ch.delta.tool_calls or []:
-                c = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
-                c["id"] = c["id"] or t.id
-                c["name"] += t.function.name or ""
-                c["arguments"] += t.function.arguments or ""
-            finish = ch.finish_reason or finish
-    return content, [calls[i] for i in sorted(calls)], finish

@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from tests.serve.conftest import MODEL
+from tests.serve.conftest import MODEL, join_tool_calls
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -110,24 +110,10 @@ def test_tool_choice_required(client):
 
 
 def _joined(r, stream: bool):
-    """(tool calls as dicts, finish_reason) of a response or of a stream's chunks, joined as
-    the openai client's users join deltas."""
-    if not stream:
-        msg = r.choices[0].message
-        assert msg.content in (None, "")
-        return ([{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
-                 for t in msg.tool_calls], r.choices[0].finish_reason)
-    calls, finish = {}, None
-    for chunk in r:
-        for ch in chunk.choices:
-            assert not ch.delta.content
-            for t in ch.delta.tool_calls or []:
-                c = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
-                c["id"] = c["id"] or t.id
-                c["name"] += t.function.name or ""
-                c["arguments"] += t.function.arguments or ""
-            finish = ch.finish_reason or finish
-    return [calls[i] for i in sorted(calls)], finish
+    """(tool calls, finish_reason) of a response or stream that carries no content."""
+    content, calls, finish = join_tool_calls(r, stream)
+    assert not content
+    return calls, finish
 
 
 def test_tool_result_goes_back_to_the_model(client):
