@@ -6,9 +6,11 @@ the embedded SmolLM2-135M-Instruct (float32; 9 query / 3 KV heads, so TP 2 and 4
 it: a random-weight model of the same size with 8 / 4 heads is used for every N, --model
 smollm2 keeps the embedded one with TP 1 and 3), a 64-sequence decode step (64 prompts of 64
 tokens, 64 greedy tokens each) timed after warmup, and the output tokens/s of the generate
-call. On a 2-core CPU the forced devices share the same two cores, so no speed-up is
-expected: the point is the overhead of the partitioned program and its collectives, reported
-as measured.
+call. One more row (unless --processes 1) runs the largest TP over 2 processes
+(jax.distributed with gloo collectives, N/2 forced devices each, process 0 timed): what the
+step's broadcast to the other process and the collectives between processes add. On a 2-core
+CPU the forced devices share the same two cores, so no speed-up is expected: the point is the
+overhead of the partitioned program and its collectives, reported as measured.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=
              bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
 
 
-def child(tp: int, model: str, num: int, new_tokens: int) -> dict:
-    """Runs in a process with `tp` devices: one engine, timed decode."""
+def child(tp: int, model: str, num: int, new_tokens: int, dist: dict) -> dict:
+    """Runs in a process with `tp` devices (or its share of them, with `dist`: the
+    num_processes / process_id / distributed_coordinator of a multi-process engine; only
+    process 0 returns): one engine, timed decode."""
     import numpy as np
 
     from jaxkv import LLM, SamplingParams
     kw = dict(tensor_parallel_size=tp, max_model_len=512, kv_cache_memory_bytes=1 << 30,
-              token_buckets=(1, 8, 64, 512))  # all compiled at warmup
+              token_buckets=(1, 8, 64, 512), **dist)  # all compiled at warmup
     if model == "llama8":
         from jaxkv.loader.gguf import embedded_model_path
         from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
@@ -65,7 +69,7 @@ def child(tp: int, model: str, num: int, new_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     from jaxkv.models.sharding import bytes_per_device
     r = eng.runner
-    return {"tp": tp, "decode_step_ms": 1e3 * float(np.median(times)), "decode_steps": len(times),
+    return {"tp": tp, "processes": dist.get("num_processes", 1), "decode_step_ms": 1e3 * float(np.median(times)), "decode_steps": len(times),
             "tok_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
             "param_mib_per_device": max(bytes_per_device(r.params)) / 2**20,
             "kv_blocks": r.num_blocks, "first_tokens": outs[0].outputs[0].token_ids[:8]}
@@ -78,32 +82,52 @@ def main():
     p.add_argument("--model", default="llama8", choices=("llama8", "smollm2"),
                    help="llama8: random weights, SmolLM2's size with 8/4 heads (default); "
                    "smollm2: the embedded model (9/3 heads: TP 1 and 3)")
+    p.add_argument("--processes", type=int, default=2, choices=(1, 2),
+                   help="2 (default): one more row, the largest TP over 2 processes; 1: none")
     p.add_argument("--child", type=int, default=None, help=argparse_hidden())
+    p.add_argument("--dist", default=None, help=argparse_hidden())  # JSON: process id, port
     args = p.parse_args()
     num, new = (16, 16) if args.quick else (64, 64)
     if args.child is not None:
-        print("TP_ROW " + json.dumps(child(args.child, args.model, num, new)), flush=True)
+        dist = json.loads(args.dist) if args.dist else {}
+        print("TP_ROW " + json.dumps(child(args.child, args.model, num, new, dist)), flush=True)
         return
     t_start = time.perf_counter()
     rows = []
-    for tp in (int(x) for x in args.tp.split(",")):
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}"}
+    sizes = [int(x) for x in args.tp.split(",")]
+    runs = [(tp, 1) for tp in sizes] + ([(max(sizes), 2)] if args.processes == 2 and max(sizes) % 2 == 0 else [])
+    for tp, procs in runs:
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp // procs}"}
         cmd = [sys.executable, __file__, "--child", str(tp), "--model", args.model]
         cmd += ["--quick"] if args.quick else []
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("TP_ROW ")), None)
-        if line is None:
-            raise SystemExit(f"TP {tp} failed:\n{out.stderr[-2000:]}")
+        port = free_port()
+        ps = [subprocess.Popen(cmd + (["--dist", json.dumps(dict(
+            num_processes=procs, process_id=i, distributed_coordinator=f"127.0.0.1:{port}"))]
+            if procs > 1 else []), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for i in range(procs)]
+        outs = [x.communicate(timeout=3600) for x in ps]
+        line = next((x for x in outs[0][0].splitlines() if x.startswith("TP_ROW ")), None)
+        if line is None or any(x.returncode for x in ps):
+            raise SystemExit(f"TP {tp} over {procs} process(es) failed:\n"
+                             + "\n".join(e[-2000:] for _, e in outs))
         rows.append(json.loads(line[7:]))
-        print(f"TP {tp}: {rows[-1]['decode_step_ms']:.1f} ms per decode step", flush=True)
+        print(f"TP {tp} ({procs} process(es)): {rows[-1]['decode_step_ms']:.1f} ms per decode step",
+              flush=True)
     first = [r.pop("first_tokens") for r in rows]
     for r, toks in zip(rows, first):
         r["step_vs_tp1"] = r["decode_step_ms"] / rows[0]["decode_step_ms"]
         r["first_8_tokens_as_tp1"] = toks == first[0]
-    print_table(rows, ["tp", "decode_step_ms", "step_vs_tp1", "tok_per_s", "param_mib_per_device",
+    print_table(rows, ["tp", "processes", "decode_step_ms", "step_vs_tp1", "tok_per_s", "param_mib_per_device",
                        "kv_blocks", "decode_steps", "first_8_tokens_as_tp1"], floatfmt="{:.2f}")
     save("tp_scaling", {"rows": rows, "model": args.model, "sequences": num, "new_tokens": new,
                         "seconds": time.perf_counter() - t_start}, args)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def argparse_hidden():

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"jaxkv: error: {e}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -93,10 +94,32 @@ class EngineArgs:
                                   choices=ATTENTION_BACKENDS)
     max_logprobs: int = _arg(20, "most logprobs a request may ask for")
     seed: int = _arg(0, "engine seed: unseeded requests draw their seeds from it")
-    swap_space: float = _arg(0, "reserved: host-memory swap is not implemented yet (0)")
+    swap_space: float = _arg(0, "GiB of host memory for the KV cache's host tier: full blocks "
+                             "evicted from the device pool (and swapped-out requests' blocks) "
+                             "are kept there by hash and loaded back on a prefix hit (0: none)")
+    kv_offloading_size: float | None = _arg(None, "the host tier's size in GiB, as vLLM V1 spells "
+                                            "it (the same pool as --swap-space)")
+    preemption_mode: str = _arg("recompute", "what a preempted request's blocks become: recompute "
+                                "(freed; computed again) or swap (copied to the host tier and "
+                                "loaded back when it resumes)", choices=PREEMPTION_MODES)
+    kv_cache_disk_dir: str | None = _arg(None, "folder of the KV cache's disk tier: blocks evicted "
+                                         "from the host tier, kept across restarts (one subfolder "
+                                         "per model identity)")
+    kv_cache_disk_bytes: int | str | None = _arg(None, "the disk tier's size in bytes (also 20GiB, "
+                                                 "500MiB)", type=parse_bytes)
     tensor_parallel_size: int = _arg(1, "devices the model is split over (tensor parallelism on "
                                      "a JAX mesh: heads and MLP columns per device, the KV pool by "
                                      "KV head)")
+    distributed_coordinator: str | None = _arg(
+        None, "HOST:PORT of process 0's jax.distributed coordinator, for one engine over the "
+        "devices of several processes or hosts (default: JAX's environment, "
+        "JAX_COORDINATOR_ADDRESS or a SLURM / Open MPI / Kubernetes job)", metavar="HOST:PORT")
+    num_processes: int | None = _arg(None, "processes of a multi-process engine; process 0 runs "
+                                     "the scheduler and the server, the others its steps")
+    process_id: int | None = _arg(None, "this process's index in a multi-process engine "
+                                  "(0 .. num_processes - 1)")
+    distributed_timeout: float = _arg(300.0, "seconds a process of a multi-process engine waits "
+                                      "for the coordinator and the other processes")
     token_buckets: tuple[int, ...] | None = _arg(
         None, "padded token counts of a step, e.g. 8,64,256 (default: powers of 2 below "
         "max_num_batched_tokens, then the budget)", type=_int_list, metavar="N,N,...")
@@ -153,9 +176,9 @@ class EngineArgs:
         if self.enable_chunked_prefill is False:
             bad("enable_chunked_prefill", "cannot be turned off: jaxkv's scheduler always chunks "
                 "prompts under max_num_batched_tokens (as vLLM V1)")
-        if self.swap_space:
-            bad("swap_space", "is reserved: swapping to host memory is not implemented yet (use 0)")
+        self._check_tiers(bad)
         pos_int("tensor_parallel_size")
+        self._check_distributed(bad, pos_int)
         for name in ("token_buckets", "warmup_token_buckets"):
             v = getattr(self, name)
             if v is not None and (not v or not all(_positive_int(x) for x in v)):
@@ -167,6 +190,56 @@ class EngineArgs:
             if stray:
                 bad("warmup_token_buckets", f"must be among token_buckets {tuple(self.token_buckets)} "
                     f"({stray[0]} is not)")
+
+    def host_tier_bytes(self) -> int:
+        """Bytes of the host tier (swap_space or kv_offloading_size, in GiB)."""
+        gib = self.kv_offloading_size if self.kv_offloading_size is not None else self.swap_space
+        return int(gib * (1 << 30))
+
+    def _check_tiers(self, bad) -> None:
+        for name in ("swap_space", "kv_offloading_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+                bad(name, "must be a number of GiB >= 0")
+        if self.kv_offloading_size is not None and self.swap_space and self.swap_space != self.kv_offloading_size:
+            bad("kv_offloading_size", f"and swap_space ({self.swap_space}) name the same host tier: "
+                "give one of them")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            bad("preemption_mode", f"must be one of {PREEMPTION_MODES}")
+        host = self.host_tier_bytes()
+        if self.preemption_mode == "swap" and not host:
+            bad("preemption_mode", "swap needs a host tier to swap to: set swap_space (GiB) > 0")
+        if host and not self.enable_prefix_caching:
+            bad("swap_space", "needs enable_prefix_caching: the host tier keeps blocks by their hash")
+        if host and (self.num_processes or 1) > 1:
+            bad("swap_space", "is not supported by a multi-process engine (num_processes > 1) yet")
+        if self.kv_cache_disk_bytes is not None and parse_bytes(self.kv_cache_disk_bytes) <= 0:
+            bad("kv_cache_disk_bytes", "must be positive")
+        if (self.kv_cache_disk_dir is None) != (self.kv_cache_disk_bytes is None):
+            bad("kv_cache_disk_dir" if self.kv_cache_disk_dir is None else "kv_cache_disk_bytes",
+                "must be given with " + ("kv_cache_disk_bytes" if self.kv_cache_disk_dir is None
+                                         else "kv_cache_disk_dir"))
+        if self.kv_cache_disk_dir is not None and not host:
+            bad("kv_cache_disk_dir", "needs a host tier in front of it: set swap_space (GiB) > 0")
+
+    def _check_distributed(self, bad, pos_int) -> None:
+        pos_int("num_processes", True)
+        if self.process_id is not None:
+            if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) or self.process_id < 0:
+                bad("process_id", "must be an integer >= 0")
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                bad("process_id", f"must be less than num_processes ({self.num_processes})")
+        c = self.distributed_coordinator
+        if c is not None:
+            host, _, port = str(c).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                bad("distributed_coordinator", "must be HOST:PORT (a port in 1..65535)")
+        if isinstance(self.distributed_timeout, bool) or not isinstance(self.distributed_timeout, (int, float)) \
+                or not self.distributed_timeout > 0:
+            bad("distributed_timeout", "must be a positive number of seconds")
+        if self.enforce_eager and (self.num_processes or 1) > 1:
+            bad("enforce_eager", "cannot run a multi-process engine (num_processes > 1): its "
+                "processes run the same compiled programs")
 
     def create_engine_config(self, *, platform: str, model_config=None,
                              device_memory_bytes: int | None = None):

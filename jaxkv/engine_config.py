@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxkv.config import ATTENTION_BACKENDS, check_batched_tokens
-from jaxkv.core.kv_budget import KVBudget, parse_bytes, plan_kv_cache
+from jaxkv.core.kv_budget import KVBudget, bytes_per_token, parse_bytes, plan_kv_cache
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.structured_outputs import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
@@ -34,6 +34,11 @@ class CacheConfig:
     num_blocks: int              # blocks in the pool, the null block included
     enable_prefix_caching: bool
     budget: KVBudget             # the sizing behind num_blocks (bytes per token, concurrency)
+    # The lower tiers (jaxkv/core/host_tier.py, disk_tier.py): whole blocks (all KV heads).
+    block_bytes: int = 0         # one block of every layer, K and V (and scales), all heads
+    num_host_blocks: int = 0     # swap_space / kv_offloading_size in blocks (0: no host tier)
+    kv_cache_disk_dir: str | None = None
+    kv_cache_disk_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int  # token budget of one step
     max_model_len: int           # prompt + output tokens of one request
+    preemption_mode: str = "recompute"  # or "swap" (through the host tier)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class RunnerConfig:
     # The KV pool's dtype (a jnp dtype name: the weights' dtype, or narrower with kv_cache_dtype).
     kv_cache_dtype: str = "float32"
     tensor_parallel_size: int = 1  # devices of the mesh the step is split over
+    num_processes: int = 1  # processes holding those devices (jaxkv/runner/multiprocess.py)
 
 
 @dataclass(frozen=True)
@@ -220,11 +227,19 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory_bytes,
         used_memory_bytes=mc.num_params() * DTYPE_BYTES[dtype] // tp)
+    block_bytes = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, DTYPE_BYTES[kv_dtype],
+                                  KV_SCALE_BYTES.get(kv_dtype, 0)) * args.block_size
+    host_bytes = args.host_tier_bytes()
+    if host_bytes and host_bytes < block_bytes:
+        raise ValueError(f"swap_space ({host_bytes} bytes) holds no KV block of this model "
+                         f"({block_bytes} bytes)")
+    disk_bytes = 0 if args.kv_cache_disk_bytes is None else parse_bytes(args.kv_cache_disk_bytes)
     return EngineConfig(
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc,
-        cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget),
-        scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len),
+        cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget,
+                          block_bytes, host_bytes // block_bytes, args.kv_cache_disk_dir, disk_bytes),
+        scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
                             args.max_logprobs, args.enforce_eager, warmup_buckets, kv_dtype,
                             args.tensor_parallel_size),

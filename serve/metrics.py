@@ -74,6 +74,30 @@ _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache quer
               "Number of accepted tokens."))
 
 
+_TIER_COUNTERS = (("hit_tokens", "Prompt tokens found in the tier (not computed again)."),
+                  ("stored_blocks", "Blocks copied into the tier."),
+                  ("loaded_blocks", "Blocks copied from the tier back to the device."))
+
+
+def _tier_series(p: str, model_name: str, s):
+    tiers = [t for t in ("host", "disk") if getattr(s, f"kv_offload_{t}_blocks")]
+    g = GaugeMetricFamily(f"{p}:kv_offload_usage_perc", "KV offload tier usage. 1 means 100 "
+                          "percent usage.", labels=["model_name", "tier"])
+    for t in tiers:
+        g.add_metric([model_name, t], getattr(s, f"kv_offload_{t}_used_blocks")
+                     / getattr(s, f"kv_offload_{t}_blocks"))
+    yield g
+    for name, doc in _TIER_COUNTERS:
+        c = CounterMetricFamily(f"{p}:kv_offload_{name}", doc, labels=["model_name", "tier"])
+        for t in tiers:
+            c.add_metric([model_name, t], float(getattr(s, f"kv_offload_{t}_{name}")))
+        yield c
+    c = CounterMetricFamily(f"{p}:num_swapped_out", "Preemptions that swapped a request's "
+                            "blocks out to the host tier.", labels=["model_name"])
+    c.add_metric([model_name], float(s.num_swapped_out))
+    yield c
+
+
 class _EngineCollector:
     def __init__(self, stats_fn, model_name: str, prefix: str, cache_info: dict | None):
         self.stats_fn, self.model_name, self.prefix = stats_fn, model_name, prefix
@@ -90,6 +114,13 @@ class _EngineCollector:
                                   "CacheConfig", labels=list(info))
             g.add_metric([str(v) for v in info.values()], 1.0)
             yield g
+        par = {"tensor_parallel_size": s.tensor_parallel_size, "num_processes": s.num_processes}
+        g = GaugeMetricFamily(f"{p}:parallel_config_info", "Information of the engine's "
+                              "parallel layout (tensor parallelism, processes)", labels=list(par))
+        g.add_metric([str(v) for v in par.values()], 1.0)
+        yield g
+        if s.kv_offload_host_blocks:  # the KV cache tiers, one series per tier
+            yield from _tier_series(p, self.model_name, s)
         for name, field, doc in _GAUGES:
             g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(s, field)))

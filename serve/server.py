@@ -1,6 +1,8 @@
 """`jaxkv serve`: start uvicorn at once (so /health can answer 503 during warmup), build and
 warm the engine on a side thread, then serve. A bad flag or model path is a one-line error
-before anything starts; an engine that fails to build stops the server with status 1."""
+before anything starts; an engine that fails to build stops the server with status 1. In a
+multi-process engine (--num-processes) only process 0 serves; the others run its steps and
+exit when it stops (jaxkv/runner/multiprocess.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,14 @@ def run_server(ns) -> int:
     setup_logging()
     from prometheus_client import disable_created_metrics
     disable_created_metrics()  # as vLLM: no *_created series
+
+    from jaxkv.runner import multiprocess
+    if multiprocess.wanted(args):  # join the job first: only process 0 serves HTTP
+        import jax
+        multiprocess.initialize(args)
+        if jax.process_index() > 0:  # runs process 0's steps, exits when it stops
+            from jaxkv.engine.llm_engine import LLMEngine
+            LLMEngine.from_engine_args(args)
 
     chat_template = load_chat_template(ns.chat_template)  # a bad path fails here, in one line
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:

@@ -57,6 +57,9 @@ class BlockPool:
         # and O(1) pop of the least recently freed block from the front.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[BlockHash, int] = {}
+        # Called as on_evict(block_id, block_hash) when get_new_blocks evicts a cached block
+        # (the KV cache manager keeps it in a lower tier); None: it is just dropped.
+        self.on_evict = None
 
     @property
     def num_total_blocks(self) -> int:
@@ -74,6 +77,9 @@ class BlockPool:
         for _ in range(n):
             bid, _ = self.free_queue.popitem(last=False)
             blk = self.blocks[bid]
+            if self.on_evict is not None and blk.block_hash is not None \
+                    and self.cached.get(blk.block_hash) == bid:
+                self.on_evict(bid, blk.block_hash)
             self._evict(blk)
             blk.ref_cnt = 1
             out.append(bid)

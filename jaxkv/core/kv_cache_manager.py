@@ -8,12 +8,22 @@ writes every token's K/V before any attention of that layer reads the cache).
 Registrations of the step being scheduled are journalled (`begin_step`): if that step never
 runs (the runner raised, Ctrl-C), `undo_step_hashes` forgets them, so no block whose K/V was
 never written is ever served from the prefix cache. `commit_step` keeps them once it ran.
+
+With the lower tiers (`host`, jaxkv/core/host_tier.py; `disk`, jaxkv/core/disk_tier.py) a
+full block evicted from the device pool is copied to host memory under its hash (and written
+through to disk), a prefix lookup continues in host memory and on disk
+after its last device hit, and swap preemption (`swap_out`) copies a preempted request's
+blocks to host memory, pinned until it runs again. The copies of a step are collected in
+`transfers` (jaxkv.core.scheduler_output.KVTransfers), which the runner makes before the step.
 """
 
 from __future__ import annotations
 
-from .block_pool import BlockPool, hash_block_tokens
+from .block_pool import BlockHash, BlockPool, hash_block_tokens
+from .disk_tier import DiskTier
+from .host_tier import HostTier
 from .request import Request
+from .scheduler_output import KVTransfers
 
 
 def cdiv(a: int, b: int) -> int:
@@ -21,7 +31,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 host: HostTier | None = None, disk: DiskTier | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -30,22 +41,83 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._step_cached: list[int] = []  # blocks registered by the step being scheduled
+        self.host, self.disk = host, disk
+        self.transfers = KVTransfers()
+        self.swapped: dict[str, list[BlockHash]] = {}  # swapped-out request -> pinned hashes
+        self.host_hit_tokens = self.disk_hit_tokens = 0  # prompt tokens found in each tier
+        if host is not None:
+            self.pool.on_evict = self._offload
 
     # ---- step journal -------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Start journalling the hash registrations of a new step."""
+        """Start journalling the hash registrations (and tier copies) of a new step."""
         self._step_cached = []
+        self.transfers = KVTransfers()
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                tier.begin_step()
 
     def commit_step(self) -> None:
         """The step ran: its blocks hold the K/V their hashes promise."""
         self._step_cached = []
 
     def undo_step_hashes(self) -> int:
-        """The step did not run: forget the hashes it registered. Returns how many."""
+        """The step did not run: forget the hashes it registered (and the host-tier entries
+        it would have written). Returns how many device hashes."""
         for bid in self._step_cached:
             self.pool.uncache_block(bid)
         n, self._step_cached = len(self._step_cached), []
+        if self.host is not None:
+            self.host.undo_step()
+        self.transfers = KVTransfers()
         return n
+
+    # ---- lower tiers ----------------------------------------------------------------------
+    def _host_slot(self, h: BlockHash) -> int | None:
+        """A host slot to write block `h` into this step (None: already there, or the tier is
+        full of pinned and busy entries). With a disk tier the block is also written through
+        to its file, so the disk holds every block the host tier took (and keeps it after the
+        host tier evicts it, and across restarts)."""
+        slot, _ = self.host.store(h)
+        if slot is not None and self.disk is not None:
+            name = self.disk.add(h)
+            if name is not None:
+                self.transfers.host_to_disk.append((slot, name))
+        return slot
+
+    def _offload(self, block_id: int, h: BlockHash) -> None:
+        """The device pool evicts a cached block: keep its contents in host memory (unless the
+        step being scheduled registered it: its K/V are not written yet)."""
+        if block_id in self._step_cached:
+            return
+        slot = self._host_slot(h)
+        if slot is not None:
+            self.transfers.device_to_host.append((block_id, slot))
+
+    def swap_out(self, req: Request) -> int:
+        """Swap preemption: copy `req`'s computed full blocks to host memory and pin them there
+        until it runs again (release_swapped). Stops at the first block the tier cannot take:
+        the rest is computed again. Call before its blocks are freed. Returns blocks kept."""
+        blocks = self.req_to_blocks.get(req.request_id, [])
+        self._update_block_hashes(req)
+        n = min(req.num_computed_tokens // self.block_size, len(blocks), len(req.block_hashes))
+        pinned = self.swapped.setdefault(req.request_id, [])
+        for bid, h in zip(blocks[:n], req.block_hashes[:n]):
+            if bid in self._step_cached:
+                break
+            if self.host.lookup(h) is None:
+                slot = self._host_slot(h)
+                if slot is None:
+                    break
+                self.transfers.device_to_host.append((bid, slot))
+            self.host.pin(h)
+            pinned.append(h)
+        return len(pinned)
+
+    def release_swapped(self, request_id: str) -> None:
+        """Unpin a swapped-out request's host blocks (it runs again, or ended)."""
+        for h in self.swapped.pop(request_id, []):
+            self.host.unpin(h)
 
     # ---- prefix cache -------------------------------------------------------------------
     def _update_block_hashes(self, req: Request) -> None:
@@ -56,7 +128,7 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """Longest run of cached full blocks that prefixes `req`'s tokens.
+        """Longest run of cached full blocks on the device that prefixes `req`'s tokens.
 
         Returns (block ids, number of tokens they hold). The hit never covers the last token:
         it must be computed to produce logits. Requests asking for prompt_logprobs get no hit
@@ -75,18 +147,34 @@ class KVCacheManager:
             hit.append(bid)
         return hit, len(hit) * self.block_size
 
+    def get_lower_tier_hits(self, req: Request, num_device_hits: int) -> list[BlockHash]:
+        """The run of `req`'s blocks after its `num_device_hits` device hits that host memory
+        or the disk hold (their hashes, to pass to allocate_slots as `loads`); same limits as
+        get_computed_blocks. Empty without lower tiers."""
+        if self.host is None or not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        loads = []
+        for h in req.block_hashes[num_device_hits:max_blocks]:
+            if self.host.lookup(h) is None and not (self.disk is not None and self.disk.lookup(h)):
+                break
+            loads.append(h)
+        return loads
+
     def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
         """Count one admitted request's lookup (prompt tokens asked for / found)."""
         self.prefix_cache_queries += num_queried
         self.prefix_cache_hits += num_hit
 
     # ---- allocation ---------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),
+                       loads: list[BlockHash] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after req.num_computed_tokens (plus the
-        tokens of `new_computed_blocks`, a prefix hit taken now). Returns False, changing
-        nothing, when the free queue cannot cover it (the scheduler then preempts)."""
+        tokens of `new_computed_blocks`, a prefix hit taken now, and of `loads`, hits in the
+        lower tiers copied into new blocks this step). Returns False, changing nothing, when
+        the free queue cannot cover it (the scheduler then preempts)."""
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = req.num_computed_tokens + (len(new_computed_blocks) + len(loads)) * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Cached blocks with no holder sit in the free queue: taking them uses free capacity.
@@ -95,12 +183,23 @@ class KVCacheManager:
             if not blocks:
                 del self.req_to_blocks[req.request_id]
             return False
+        # Where each load comes from, fixed before any eviction below could push it out.
+        sources = [("host", self.host.load(h)) if self.host.lookup(h) is not None
+                   else ("disk", self.disk.load(h)) for h in loads]
         if new_computed_blocks:
             self.pool.touch(list(new_computed_blocks))
             blocks.extend(new_computed_blocks)
             self.num_cached_blocks[req.request_id] = len(blocks)
+        first_load = len(blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        for (tier, src), bid in zip(sources, blocks[first_load:]):
+            if tier == "host":
+                self.transfers.host_to_device.append((src, bid))
+                self.host_hit_tokens += self.block_size
+            else:
+                self.transfers.disk_to_device.append((src, bid))
+                self.disk_hit_tokens += self.block_size
         # Only the request's own tokens are hashed, never a draft (speculative decoding).
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return True

@@ -5,7 +5,10 @@ its token count, and each step grants each request min(tokens it still needs, bu
 under max_num_batched_tokens, running requests first, then waiting ones in FCFS order. Chunked
 prefill, mixed prefill+decode steps, prefix hits, decode and resumption after preemption all
 follow from that. When blocks run out the newest running request is preempted by recompute
-(blocks freed, tokens kept, requeued at the front of the waiting queue).
+(blocks freed, tokens kept, requeued at the front of the waiting queue); with
+`preemption_mode="swap"` its computed full blocks are first copied to the host tier and
+pinned there, so that it resumes by loading them instead of computing them again (a block
+the full tier cannot take, and the last partial block, are computed again).
 
 A step is committed by `update_from_output` once the runner has run it. If it never runs (the runner
 raised, Ctrl-C), `undo_step` puts back what scheduling it changed: the hashes it registered
@@ -42,6 +45,8 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None):
         self.kv = kv
         self.config = config
+        self.preemption_mode = getattr(config, "preemption_mode", "recompute")
+        self.num_swapped_out = 0  # preemptions by swap (blocks copied to the host tier)
         self.block_size = kv.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -119,7 +124,7 @@ class Scheduler:
             compiling = [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.ready]
             if compiling:  # nothing else to run: wait a little for a grammar, run nothing
                 wait_for_any(compiling, timeout=0.05)
-                return SchedulerOutput([], preempted)
+                return SchedulerOutput([], preempted, self.kv.transfers)
             # Only forked children (n > 1) hold blocks while waiting; if they starve the head
             # of the queue, they give their shared blocks back and recompute (or hit the cache).
             for req in self.waiting:
@@ -137,7 +142,7 @@ class Scheduler:
             drafts = self._propose_drafts(chosen, budget)
         scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
         self._fill_grammar_bitmasks(chosen, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, self.kv.transfers)
 
     def _fill_grammar_bitmasks(self, chosen, scheduled) -> None:
         """Each constrained sequence that samples this step gets its allowed-token row."""
@@ -173,12 +178,15 @@ class Scheduler:
             req = next((r for r in self.waiting if r.grammar is None or r.grammar.ready), None)
             if req is None:
                 break
-            hit_blocks, num_hit = [], 0
+            hit_blocks, num_hit, loads = [], 0, []
             if req.num_computed_tokens == 0:  # a forked child already holds shared blocks
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                loads = self.kv.get_lower_tier_hits(req, len(hit_blocks))
+            num_hit += len(loads) * self.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hit_blocks):
+            if not self.kv.allocate_slots(req, n, hit_blocks, loads):
                 break
+            self.kv.release_swapped(req.request_id)  # its swapped blocks are back (or lost)
             self.waiting.remove(req)
             lookup = None
             if req.num_cached_tokens < 0:  # first admission: count the prefix-cache lookup
@@ -223,6 +231,8 @@ class Scheduler:
         req.status = status
 
     def _preempt(self, req: Request) -> None:
+        if self.preemption_mode == "swap" and self.kv.swap_out(req):
+            self.num_swapped_out += 1
         self._reset(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -359,6 +369,7 @@ class Scheduler:
                 kids.remove(req)
         self.pending_forks.pop(req.request_id, None)  # an aborted parent's children are aborted too
         self.kv.free(req)
+        self.kv.release_swapped(req.request_id)
         self.requests.pop(req.request_id, None)
         if req.grammar is not None:
             req.grammar.release()

@@ -52,9 +52,29 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVTransfers:
+    """The block copies of one step between the KV tiers, which the runner makes before the
+    step, in this order: device_to_host (blocks evicted from the device pool or swapped out;
+    a device block evicted and reused by the same step is saved before it is written), then
+    host_to_disk (those new host entries written through to their files), then
+    host_to_device and disk_to_device (prefix hits in the lower tiers, into newly allocated
+    device blocks). No slot or file is both written and read by one step. Host slots index
+    the runner's host arrays; file names are block hashes in hex (jaxkv/core/disk_tier.py)."""
+    device_to_host: list[tuple[int, int]] = field(default_factory=list)  # (block id, slot)
+    host_to_disk: list[tuple[int, str]] = field(default_factory=list)    # (slot, file name)
+    host_to_device: list[tuple[int, int]] = field(default_factory=list)  # (slot, block id)
+    disk_to_device: list[tuple[str, int]] = field(default_factory=list)  # (file name, block id)
+
+    def __bool__(self) -> bool:
+        return bool(self.host_to_disk or self.device_to_host or self.host_to_device
+                    or self.disk_to_device)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
+    kv_transfers: KVTransfers | None = None  # None or empty: no copy between KV tiers
 
     @property
     def total_num_scheduled_tokens(self) -> int:

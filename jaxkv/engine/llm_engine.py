@@ -197,6 +197,8 @@ class LLMEngine:
         try:  # schedule -> execute_model -> update_from_output -> outputs
             out = sched.schedule()
             if not out.scheduled:
+                if out.kv_transfers:  # a swap-out with nothing to run: copy it all the same
+                    self.runner.execute(out)
                 pending, self._pending_outputs = self._pending_outputs, []
                 return pending
             res = self.runner.execute(out)
@@ -310,13 +312,27 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
             tensor_parallel_size=self.config.runner.tensor_parallel_size,
+            num_processes=self.config.runner.num_processes,
             token_buckets=self.config.runner.token_buckets,
             compiled_token_buckets=self.runner.compiled_token_buckets,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_structured_output_requests=self.structured_output_manager.num_requests,
             num_grammars_compiled=self.structured_output_manager.num_compiled,
             grammar_compile_seconds=self.structured_output_manager.compile_seconds,
-            **self._spec_stats())
+            **self._tier_stats(), **self._spec_stats())
+
+    def _tier_stats(self) -> dict:
+        kv, out = self.scheduler.kv, {}
+        for name, tier in (("host", getattr(kv, "host", None)), ("disk", getattr(kv, "disk", None))):
+            if tier is not None:
+                out.update({f"kv_offload_{name}_blocks": getattr(tier, "num_slots", None) or tier.max_blocks,
+                            f"kv_offload_{name}_used_blocks": tier.num_used,
+                            f"kv_offload_{name}_hit_tokens": getattr(kv, f"{name}_hit_tokens"),
+                            f"kv_offload_{name}_stored_blocks": tier.num_stored,
+                            f"kv_offload_{name}_loaded_blocks": tier.num_loaded})
+        if out:
+            out["num_swapped_out"] = self.scheduler.num_swapped_out
+        return out
 
     def _spec_stats(self) -> dict:
         sd = getattr(self.scheduler, "spec_stats", None)

@@ -4,6 +4,7 @@ buckets), and start the background compiler of the other buckets."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -34,6 +35,33 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def kv_tiers(runner, config, args):
+    """The KV cache's host and disk tiers (or None), and the runner's side of them."""
+    cc = config.cache
+    if not cc.num_host_blocks:
+        return None, None
+    from jaxkv.core.disk_tier import DiskTier, fingerprint_files
+    from jaxkv.core.host_tier import HostTier
+    from jaxkv.runner.kv_offload import KVOffload
+    host, disk = HostTier(cc.num_host_blocks), None
+    if cc.kv_cache_disk_dir is not None:
+        from jaxkv.loader.gguf import embedded_model_path
+        mc, rc = config.model_config, config.runner
+        weights = (f"dummy:{args.seed}" if args.load_format == "dummy"
+                   else fingerprint_files(args.model or embedded_model_path()))
+        identity = {"weights": weights, "architecture": mc.architecture, "dtype": rc.dtype,
+                    "kv_cache_dtype": rc.kv_cache_dtype, "block_size": cc.block_size,
+                    "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
+                    "head_dim": mc.head_dim}
+        disk = DiskTier(cc.kv_cache_disk_dir, cc.kv_cache_disk_bytes, cc.block_bytes, identity)
+    runner.offload = KVOffload(runner.kv_cache, cc.num_host_blocks, disk.dir if disk else None)
+    assert runner.offload.block_nbytes == cc.block_bytes, (runner.offload.block_nbytes, cc.block_bytes)
+    logger.info("KV cache tiers: host %d blocks (%.2f GiB)%s", cc.num_host_blocks,
+                cc.num_host_blocks * cc.block_bytes / 2**30,
+                f", disk {disk.max_blocks} blocks ({disk.num_used} found) in {disk.dir}" if disk else "")
+    return host, disk
+
+
 def build_engine(cls, args):
     import jax
     import jax.numpy as jnp
@@ -48,7 +76,11 @@ def build_engine(cls, args):
     from jaxkv.models.params import dummy_params, params_from_tensors
     from jaxkv.runner.model_runner import ModelRunner
 
+    from jaxkv.runner import multiprocess
+
     t0 = time.perf_counter()
+    if multiprocess.wanted(args):  # before JAX starts its backends
+        multiprocess.initialize(args)
     enable_compilation_cache()
     platform = jax.default_backend()
     ckpt = load_checkpoint(args.model, args.load_format)
@@ -58,6 +90,10 @@ def build_engine(cls, args):
     config = args.create_engine_config(platform=platform,
                                        model_config=ModelConfig.from_hf_config(ckpt.config),
                                        device_memory_bytes=device_memory_bytes(platform))
+    if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
+        multiprocess.check_mesh(config.runner.tensor_parallel_size)
+        config = multiprocess.share_config(dataclasses.replace(
+            config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count())))
     mc, rc = config.model_config, config.runner
     mesh = None
     if rc.tensor_parallel_size > 1:
@@ -82,7 +118,9 @@ def build_engine(cls, args):
 
     runner = ModelRunner(model, params, config)
     cc = config.cache
-    scheduler = Scheduler(KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching),
+    host, disk = kv_tiers(runner, config, args)
+    scheduler = Scheduler(KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                         host, disk),
                           config.scheduler, config.speculative)
     if config.speculative is not None:
         logger.info("speculative decoding: %s", config.speculative.to_dict())
@@ -95,6 +133,13 @@ def build_engine(cls, args):
         logger.info("warmup compiled %d programs in %.1f s (token buckets %s)%s", n, secs,
                     list(rc.warmup_token_buckets),
                     f"; token buckets {rest} compile in the background" if rest else "")
+    if jax.process_index() > 0:  # a follower: never an engine of its own
+        runner.start_background_compile()
+        multiprocess.follow(runner)
+        jax.distributed.shutdown()
+        raise SystemExit(0)
+    if jax.process_count() > 1:
+        runner.leader = multiprocess.Leader()
     engine = cls(config, tokenizer, scheduler, runner)
     compiler = runner.start_background_compile()
     if compiler is not None:  # a dropped engine stops its compiler (the thread holds the runner)

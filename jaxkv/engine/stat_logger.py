@@ -11,7 +11,8 @@ recompute after preemption included); the hit rate is over the prompt tokens loo
 the previous line (lifetime when none were). The last field counts the token buckets whose
 programs are compiled (the others are still compiling in the background; steps pad to the
 compiled ones); the structured-output field (requests added in the interval) appears once
-any came. With speculative decoding a second line follows, as vLLM's:
+any came; with the KV cache's host and disk tiers, each tier's usage and the prompt tokens
+found there in the interval follow. With speculative decoding a second line follows, as vLLM's:
 
     SpecDecoding metrics: Mean acceptance length: 2.85, Accepted throughput: 30.12 tokens/s,
     Drafted throughput: 48.40 tokens/s, Accepted: 151 tokens, Drafted: 242 tokens,
@@ -65,6 +66,13 @@ class LoggingStatLogger:
         d_so = stats.num_structured_output_requests - prev.num_structured_output_requests
         if stats.num_structured_output_requests:
             line += f", Structured output requests: {d_so}"
+        for tier in ("host", "disk"):
+            cap = getattr(stats, f"kv_offload_{tier}_blocks", 0)
+            if cap:
+                used = getattr(stats, f"kv_offload_{tier}_used_blocks")
+                hits = (getattr(stats, f"kv_offload_{tier}_hit_tokens")
+                        - getattr(prev, f"kv_offload_{tier}_hit_tokens"))
+                line += f", KV {tier} tier usage: {100 * used / cap:.1f}%, hits: {hits} tokens"
         logger.info(line)
         spec = self._spec_line(stats, prev, dt)
         if spec:

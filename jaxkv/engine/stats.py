@@ -20,6 +20,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     tensor_parallel_size: int = 1                 # devices the step is split over
+    num_processes: int = 1                        # processes holding them (multi-process)
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step
     compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
     # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests
@@ -27,6 +28,20 @@ class EngineStats:
     # and accepted / draft tokens (None before any draft).
     # Structured outputs: constrained sequences added, their grammars' matchers built, and the
     # seconds those builds took (on the grammar thread pool, off the step loop).
+    # KV cache tiers (zero when off; jaxkv/core/host_tier.py, disk_tier.py): each tier's
+    # capacity and used blocks, prompt tokens found there, blocks copied into it (stored) and
+    # back to the device (loaded); preemptions that swapped a request's blocks out.
+    kv_offload_host_blocks: int = 0
+    kv_offload_host_used_blocks: int = 0
+    kv_offload_host_hit_tokens: int = 0
+    kv_offload_host_stored_blocks: int = 0
+    kv_offload_host_loaded_blocks: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_disk_used_blocks: int = 0
+    kv_offload_disk_hit_tokens: int = 0
+    kv_offload_disk_stored_blocks: int = 0
+    kv_offload_disk_loaded_blocks: int = 0
+    num_swapped_out: int = 0
     num_structured_output_requests: int = 0
     num_grammars_compiled: int = 0
     grammar_compile_seconds: float = 0.0

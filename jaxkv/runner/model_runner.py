@@ -55,6 +55,8 @@ class ModelRunner:
         # on one device.
         self.mesh = sh.make_mesh(rc.tensor_parallel_size) if rc.tensor_parallel_size > 1 else None
         if self.mesh is not None:
+            if jax.process_count() > 1:  # across processes JAX places host arrays only (each
+                params = jax.device_get(params)  # process keeps its own devices' slices)
             params = self.params = jax.device_put(params, sh.param_shardings(params, model.cfg, self.mesh))
         self.kv_cache = self._new_kv_cache()
         self.kv_spec = jax.tree.map(
@@ -74,6 +76,12 @@ class ModelRunner:
         self.compiled_token_buckets: tuple[int, ...] = self.token_buckets if enforce_eager else ()
         self._usable_buckets = self.token_buckets
         self.background: BackgroundCompiler | None = None
+        # A multi-process engine's leader (process 0): sends each step to the other processes
+        # before running it (jaxkv.runner.multiprocess.Leader); None in one process.
+        self.leader = None
+        # The host and disk tiers' copies (jaxkv.runner.kv_offload.KVOffload), set by the
+        # engine build when they are on; None otherwise.
+        self.offload = None
         self.compiles = CompileCounter()  # every program this runner's calls compile
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated;
@@ -91,9 +99,12 @@ class ModelRunner:
         self._sampler_rows: set[int] = set()  # row counts whose sampler programs are compiled
         # The sampled rows are gathered by a small program of their own, so the sampler's
         # programs depend on the row count only (token buckets 64 and 512 share them).
-        self._gather_rows = jit(lambda hidden, idx: hidden[idx])
-        self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"))
-        self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",))
+        # With a mesh their outputs are replicated: every process reads the sampled tokens
+        # from its own devices (a multi-process mesh has devices no process can read all of).
+        out = {} if self.mesh is None or enforce_eager else {"out_shardings": sh.replicated(self.mesh)}
+        self._gather_rows = jit(lambda hidden, idx: hidden[idx], **out)
+        self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"), **out)
+        self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",), **out)
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
@@ -124,10 +135,15 @@ class ModelRunner:
         self.compiled_token_buckets = tuple(sorted({*self.compiled_token_buckets, t}))
         self._usable_buckets = self.compiled_token_buckets  # one assignment: thread-safe
 
-    def build_inputs(self, out: SchedulerOutput) -> StepInput:
-        """The StepInput of a SchedulerOutput, padded to its token bucket (the smallest
-        compiled one holding its tokens; ValueError if none does)."""
-        t = pick_bucket(self._usable_buckets, out.total_num_scheduled_tokens)
+    def pick_bucket(self, out: SchedulerOutput) -> int:
+        """The token bucket of a step: the smallest compiled one holding its tokens
+        (ValueError if none does)."""
+        return pick_bucket(self._usable_buckets, out.total_num_scheduled_tokens)
+
+    def build_inputs(self, out: SchedulerOutput, bucket: int | None = None) -> StepInput:
+        """The StepInput of a SchedulerOutput, padded to `bucket` tokens (default: its
+        pick_bucket)."""
+        t = self.pick_bucket(out) if bucket is None else bucket
         return build_step_input(out, block_size=self.block_size, num_tokens=t,
                                 rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
                                 mark_decode_only=self.mark_decode_only)
@@ -176,9 +192,22 @@ class ModelRunner:
             return True
 
     # ---- one step -----------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """One step: inputs, the jitted step, then sampling (and prompt logprobs) of its rows."""
-        si = self.build_inputs(out)
+    def execute(self, out: SchedulerOutput, bucket: int | None = None) -> RunnerOutput:
+        """One step: inputs, the jitted step, then sampling (and prompt logprobs) of its rows.
+        `bucket`: the token bucket to pad to (a follower of a multi-process engine is given
+        the leader's; default: pick_bucket). On a multi-process leader the step goes to the
+        followers first (jaxkv/runner/multiprocess.py), so all run it together."""
+        if self.leader is not None:
+            t = self.pick_bucket(out)
+            return self.leader.run(out, t, lambda: self._execute(out, t))
+        return self._execute(out, bucket)
+
+    def _execute(self, out: SchedulerOutput, bucket: int | None) -> RunnerOutput:
+        if out.kv_transfers:  # copies between the KV tiers come first (kv_offload.py)
+            self.kv_cache = self.offload.apply(out.kv_transfers, self.kv_cache)
+        if not out.scheduled:
+            return RunnerOutput()
+        si = self.build_inputs(out, bucket)
         hidden = self.forward(si)
         res = RunnerOutput()
         with self.compiles:

@@ -26,12 +26,12 @@ ENGINE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8, toke
               kv_cache_memory_bytes=1 << 20, seed=0)
 
 
-def tiny_folder() -> str:
+def tiny_folder(config: dict = TINY) -> str:
     from jaxkv.loader.gguf import embedded_model_path
     from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(TINY, f)
+        json.dump(config, f)
     tokenizer_from_gguf(embedded_model_path()).save_pretrained(d)
     return d
 
@@ -109,11 +109,12 @@ def main(case: str) -> dict:
     raise SystemExit(f"unknown case {case!r}")
 
 
-def tiny_folder_with_weights() -> str:
-    """The tiny config with random safetensors weights (numpy), so `convert` has tensors."""
+def tiny_folder_with_weights(c: dict = TINY) -> str:
+    """A tiny config (default TINY) with random safetensors weights (numpy): real tensors,
+    for `convert` and for outputs that depend on every weight."""
     import numpy as np
     from safetensors.numpy import save_file
-    d, rng, c = tiny_folder(), np.random.default_rng(0), TINY
+    d, rng = tiny_folder(c), np.random.default_rng(0)
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     t = {"model.embed_tokens.weight": rng.normal(0, 0.5, (c["vocab_size"], h)),
          "model.norm.weight": np.ones(h)}

@@ -81,6 +81,9 @@ def test_metrics_prefix_renames_every_series_and_cache_config_info():
     assert info.value == 1.0
     assert info.labels["block_size"] == "32" and info.labels["cache_dtype"] == "auto"
     assert info.labels["num_gpu_blocks"] == str(IDLE.num_total_blocks)
+    (par,) = names("jaxkv")["jaxkv:parallel_config_info"].samples
+    assert par.labels == {"tensor_parallel_size": str(IDLE.tensor_parallel_size),
+                          "num_processes": str(IDLE.num_processes)}
     for bad in ("", "1x", "vllm:", "a-b", None):
         with pytest.raises(ValueError, match="--metrics-prefix"):
             check_metrics_prefix(bad)

@@ -1,0 +1,79 @@
+"""The runner's side of the KV tiers: the host tier's arrays, and the copies of one step.
+
+The host tier is one numpy array per leaf of the KV pool (jaxkv/attention/kv_pool.py), each
+[num_host_blocks, num_layers, block_size, ...] in the pool's storage dtype: a slot holds one
+whole block of every layer, contiguous (what the disk tier writes as one file). A step's
+copies (jaxkv.core.scheduler_output.KVTransfers) are made before the step, in one batch per
+direction: one jitted gather of the device blocks to save (read back to host memory), the
+new host entries written through to their files, then one jitted scatter of the blocks to load (from host slots and
+files) into the pool, which is donated to it and updated in place, never copied whole. The
+block counts are padded to powers of two (with the null block 0, whose contents nobody reads)
+so that a few small programs serve every step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.core.disk_tier import read_block, write_block
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class KVOffload:
+    """kv_cache: the pool (its leaves' shapes and dtypes, and shardings with a mesh);
+    num_host_blocks: host tier slots; disk_dir: the disk tier's folder of this model identity
+    (jaxkv.core.disk_tier.DiskTier.dir), or None."""
+
+    def __init__(self, kv_cache, num_host_blocks: int, disk_dir: str | None = None):
+        leaves, self.treedef = jax.tree.flatten(kv_cache)
+        self.host = [np.zeros((num_host_blocks, x.shape[0], *x.shape[2:]), x.dtype) for x in leaves]
+        self.disk_dir = disk_dir
+        self.block_nbytes = sum(h[0].nbytes for h in self.host)
+        shardings = [x.sharding for x in leaves]
+
+        def gather(pool, ids):
+            return [jnp.moveaxis(x[:, ids], 1, 0) for x in jax.tree.leaves(pool)]
+
+        def scatter(pool, ids, data):
+            new = [x.at[:, ids].set(jnp.moveaxis(d, 0, 1)) for x, d in zip(jax.tree.leaves(pool), data)]
+            return jax.tree.unflatten(self.treedef, new)
+        self._gather = jax.jit(gather)
+        self._scatter = jax.jit(scatter, donate_argnums=(0,),
+                                out_shardings=jax.tree.unflatten(self.treedef, shardings))
+
+    def _path(self, name: str) -> str:
+        import os
+        return os.path.join(self.disk_dir, name + ".kvb")
+
+    def apply(self, t, kv_cache):
+        """Make the copies of KVTransfers `t`; returns the pool (the same one, updated in
+        place). Raises jaxkv.core.disk_tier.CorruptBlockError for a damaged block file (deleted;
+        the step fails before it ran and is undone, its blocks are computed again)."""
+        if t.device_to_host:
+            bids, slots = (list(x) for x in zip(*t.device_to_host))
+            ids = np.zeros(_pow2(len(bids)), np.int32)
+            ids[:len(bids)] = bids
+            for h, d in zip(self.host, jax.device_get(self._gather(kv_cache, ids))):
+                h[slots] = d[:len(slots)]
+        for slot, name in t.host_to_disk:
+            write_block(self._path(name), [h[slot] for h in self.host])
+        loads = [(bid, [h[slot] for h in self.host]) for slot, bid in t.host_to_device]
+        loads += [(bid, read_block(self._path(name), [h[0] for h in self.host]))
+                  for name, bid in t.disk_to_device]
+        if not loads:
+            return kv_cache
+        n = _pow2(len(loads))
+        ids = np.zeros(n, np.int32)
+        ids[:len(loads)] = [bid for bid, _ in loads]
+        data = []
+        for i, h in enumerate(self.host):
+            buf = np.zeros((n, *h.shape[1:]), h.dtype)
+            for j, (_, arrays) in enumerate(loads):
+                buf[j] = arrays[i]
+            data.append(buf)
+        return self._scatter(kv_cache, ids, data)
