@@ -63,9 +63,12 @@ def cmd_plan(ns) -> int:
                                                        device_memory_bytes=device_memory_bytes(platform))
     mc, b, dtype = config.model_config, config.cache.budget, config.runner.dtype
     kv_dtype = config.runner.kv_cache_dtype
+    from jaxkv.engine_config import kv_tier_capacities
+    tiers = kv_tier_capacities(config)
     if ns.json:
         print(json.dumps({"bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
-                          "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4)}))
+                          "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4),
+                          **({"kv_tiers": tiers} if tiers else {})}))
     else:
         from jaxkv.engine_config import DTYPE_BYTES, KV_SCALE_BYTES, kv_heads_per_device
         print(f"model: {ns.model or 'SmolLM2-135M-Instruct (embedded)'} ({mc.num_layers} layers, "
@@ -79,6 +82,9 @@ def cmd_plan(ns) -> int:
               f"{per_head}: KV cache {kv_dtype}" + (f", per device of {tp}" if tp > 1 else "") + ")")
         print(f"blocks: {b.num_blocks:,} of {b.block_size} tokens = {b.num_tokens:,} tokens")
         print(f"max concurrency at {config.max_model_len:,} tokens per request: {b.max_concurrency:.2f}")
+        for name, t in tiers.items():
+            print(f"{name} tier: {t['blocks']:,} blocks = {t['tokens']:,} tokens = {t['requests']:.2f} "
+                  f"requests of {config.max_model_len:,} tokens ({config.cache.block_bytes:,} bytes per block)")
     return 0
 
 

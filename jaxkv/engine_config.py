@@ -245,3 +245,16 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                             args.tensor_parallel_size),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
+
+
+def kv_tier_capacities(config: EngineConfig) -> dict:
+    """The lower KV tiers' capacities: {"host"|"disk": {"blocks", "tokens", "requests" (at
+    max_model_len tokens each)}}, only the tiers that are on. A disk file holds one block
+    plus an 8-byte trailer (jaxkv/core/disk_tier.py)."""
+    cc, out = config.cache, {}
+    disk_blocks = cc.kv_cache_disk_bytes // (cc.block_bytes + 8) if cc.kv_cache_disk_dir else 0
+    for name, blocks in (("host", cc.num_host_blocks), ("disk", disk_blocks)):
+        if blocks:
+            out[name] = {"blocks": blocks, "tokens": blocks * cc.block_size,
+                         "requests": round(blocks * cc.block_size / config.max_model_len, 4)}
+    return out

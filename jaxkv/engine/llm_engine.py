@@ -11,6 +11,7 @@ import numpy as np
 from jaxkv.config import EngineArgs
 from jaxkv.engine_config import EngineConfig
 from jaxkv.engine.output_processor import OutputProcessor
+from jaxkv.core.disk_tier import CorruptBlockError
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.structured_output import StructuredOutputManager
 from jaxkv.engine.stats import EngineStats
@@ -192,7 +193,9 @@ class LLMEngine:
         If scheduling or the runner raises (an XLA error, KeyboardInterrupt), the step is
         undone before the error propagates: nothing it registered in the prefix cache
         survives, its requests are requeued to recompute, and if the KV pool itself was lost
-        every request recomputes. The engine stays usable (call step() again, or abort)."""
+        every request recomputes. The engine stays usable (call step() again, or abort). A
+        damaged disk-tier block file is the exception that does not propagate: the step is
+        undone the same way and the next one computes those blocks instead."""
         sched = self.scheduler
         try:  # schedule -> execute_model -> update_from_output -> outputs
             out = sched.schedule()
@@ -202,6 +205,11 @@ class LLMEngine:
                 pending, self._pending_outputs = self._pending_outputs, []
                 return pending
             res = self.runner.execute(out)
+        except CorruptBlockError as e:  # a damaged disk-tier file (deleted): compute it again
+            self._undo_failed_step()
+            logger.warning("%s; its requests compute those blocks again", e)
+            pending, self._pending_outputs = self._pending_outputs, []
+            return pending
         except BaseException:
             self._undo_failed_step()
             raise
