@@ -249,10 +249,13 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, as vLLM: refused (False, nothing dropped) while any
-        request holds blocks, since those blocks would lose their hashes mid-use."""
+        request holds blocks, since those blocks would lose their hashes mid-use. The host
+        tier forgets its unpinned entries too; the disk tier is kept (it outlives restarts)."""
         if self.pool.num_used_blocks:
             return False
         self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset()
         return True
 
     @property

@@ -72,3 +72,21 @@ def test_structured_output_requests_appear_once_any_came():
     now[0] = 15.0
     assert lg.maybe_log(replace(busy, num_structured_output_requests=3)).endswith(
         "Structured output requests: 0")
+
+
+def test_kv_tiers_usage_and_hits_when_on():
+    now = [0.0]
+    lg = LoggingStatLogger(5.0, clock=lambda: now[0])
+    base = replace(IDLE, kv_offload_host_blocks=200, kv_offload_disk_blocks=1000)
+    lg.maybe_log(base)
+    now[0] = 5.0
+    busy = replace(base, num_running=1, num_generation_tokens=10, kv_offload_host_used_blocks=50,
+                   kv_offload_host_hit_tokens=320, kv_offload_disk_used_blocks=100,
+                   kv_offload_disk_hit_tokens=64)
+    line = lg.maybe_log(busy)
+    assert line.endswith(", KV host tier usage: 25.0%, hits: 320 tokens, "
+                         "KV disk tier usage: 10.0%, hits: 64 tokens")
+    lg2 = LoggingStatLogger(5.0, clock=lambda: now[0])
+    lg2.maybe_log(IDLE)
+    now[0] = 15.0
+    assert "tier" not in lg2.maybe_log(replace(IDLE, num_running=1, num_generation_tokens=5))

@@ -87,3 +87,21 @@ def test_metrics_prefix_renames_every_series_and_cache_config_info():
     for bad in ("", "1x", "vllm:", "a-b", None):
         with pytest.raises(ValueError, match="--metrics-prefix"):
             check_metrics_prefix(bad)
+
+
+def test_kv_offload_series_per_tier():
+    stats = replace(IDLE, kv_offload_host_blocks=100, kv_offload_host_used_blocks=25,
+                    kv_offload_host_hit_tokens=480, kv_offload_host_stored_blocks=40,
+                    kv_offload_host_loaded_blocks=30, kv_offload_disk_blocks=1000,
+                    kv_offload_disk_used_blocks=500, kv_offload_disk_hit_tokens=160,
+                    kv_offload_disk_stored_blocks=40, kv_offload_disk_loaded_blocks=10,
+                    num_swapped_out=3)
+    m = scrape(stats)
+    host, disk = (("model_name", "m"), ("tier", "host")), (("model_name", "m"), ("tier", "disk"))
+    assert m[("jaxkv:kv_offload_usage_perc", host)] == 0.25
+    assert m[("jaxkv:kv_offload_usage_perc", disk)] == 0.5
+    assert m[("jaxkv:kv_offload_hit_tokens_total", host)] == 480
+    assert m[("jaxkv:kv_offload_stored_blocks_total", disk)] == 40
+    assert m[("jaxkv:kv_offload_loaded_blocks_total", host)] == 30
+    assert m[("jaxkv:num_swapped_out_total", (("model_name", "m"),))] == 3
+    assert not [k for k in scrape(IDLE) if "kv_offload" in k[0]]  # off: no series
