@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import operator
 import types
 import typing
@@ -199,8 +200,9 @@ class EngineArgs:
     def _check_tiers(self, bad) -> None:
         for name in ("swap_space", "kv_offloading_size"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-                bad(name, "must be a number of GiB >= 0")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v < 0):
+                bad(name, "must be a finite number of GiB >= 0")
         if self.kv_offloading_size is not None and self.swap_space and self.swap_space != self.kv_offloading_size:
             bad("kv_offloading_size", f"and swap_space ({self.swap_space}) name the same host tier: "
                 "give one of them")

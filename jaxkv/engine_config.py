@@ -233,6 +233,10 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     if host_bytes and host_bytes < block_bytes:
         raise ValueError(f"swap_space ({host_bytes} bytes) holds no KV block of this model "
                          f"({block_bytes} bytes)")
+    ram = host_memory_bytes()
+    if ram and host_bytes > 0.7 * ram:  # vLLM's limit for its swap space
+        raise ValueError(f"swap_space ({host_bytes / 2**30:.1f} GiB) is more than 70% of this "
+                         f"machine's memory ({ram / 2**30:.1f} GiB)")
     disk_bytes = 0 if args.kv_cache_disk_bytes is None else parse_bytes(args.kv_cache_disk_bytes)
     return EngineConfig(
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
@@ -245,6 +249,15 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                             args.tensor_parallel_size),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    import os
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def kv_tier_capacities(config: EngineConfig) -> dict:

@@ -38,17 +38,22 @@ class CorruptBlockError(OSError):
 
 
 def fingerprint_files(path: str) -> str:
-    """A fingerprint of a checkpoint: the names and sizes of its files and SHA-256 of the first
-    and last MiB of each (a file or a folder; cheap, and any re-export changes it)."""
+    """A fingerprint of a checkpoint (a file or a folder): each file's relative name, size and
+    modification time, and SHA-256 of its first and last MiB and of 64 KiB at 32 evenly spaced
+    offsets. Cheap at any model size; a copy elsewhere or a rewrite in place (a new mtime)
+    changes it, so a block is never read for weights other than those that wrote it."""
     h = hashlib.sha256()
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
     for f in files:
-        size = os.path.getsize(f)
-        h.update(f"{os.path.relpath(f, os.path.dirname(path))}:{size}".encode())
+        st = os.stat(f)
+        h.update(f"{os.path.relpath(f, os.path.dirname(path))}:{st.st_size}:{st.st_mtime_ns}".encode())
         with open(f, "rb") as fh:
             h.update(fh.read(1 << 20))
-            if size > 2 << 20:
+            for i in range(1, 33):
+                fh.seek(st.st_size * i // 33)
+                h.update(fh.read(1 << 16))
+            if st.st_size > 2 << 20:
                 fh.seek(-(1 << 20), os.SEEK_END)
                 h.update(fh.read())
     return h.hexdigest()[:32]
@@ -92,16 +97,31 @@ def read_block(path: str, like) -> list[np.ndarray]:
     return out
 
 
+def _pid_alive(name: str) -> bool:
+    """Whether the process that named a temporary file NAME.PID.tmp still runs."""
+    try:
+        pid = int(name.rsplit(".", 2)[-2])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class DiskTier:
-    """Index of the block files of one model identity under `root`, LRU within
-    `capacity_bytes`. `block_nbytes`: one block's bytes (all layers, K and V, scales).
-    Errors: ValueError naming kv_cache_disk_dir when it cannot be created or written, and
-    naming kv_cache_disk_bytes when it holds no block."""
+    """Index of the block files of one model identity under `root`; `capacity_bytes` bounds
+    the whole of `root` (every identity's files): files of other identities (another model or
+    dtype) are evicted first, oldest first, then this identity's least recently used. Hits
+    refresh a file's modification time, so the order survives restarts. `block_nbytes`: one
+    block's bytes (all layers, K and V, scales). Errors: ValueError naming kv_cache_disk_dir
+    when it cannot be created or written, and naming kv_cache_disk_bytes when it holds no
+    block."""
 
     def __init__(self, root: str, capacity_bytes: int, block_nbytes: int, identity: dict):
         self.file_size = block_nbytes + TRAILER.size
-        self.max_blocks = capacity_bytes // self.file_size
-        if self.max_blocks < 1:
+        self.capacity = capacity_bytes
+        if capacity_bytes < self.file_size:
             raise ValueError(f"kv_cache_disk_bytes {capacity_bytes} holds no block (one block is "
                              f"{self.file_size} bytes)")
         self.dir = os.path.join(root, identity_key(identity))
@@ -114,25 +134,42 @@ class DiskTier:
         except OSError as e:
             raise ValueError(f"kv_cache_disk_dir {root!r} is not writable: {e.strerror or e}") from None
         self.entries: OrderedDict[str, None] = OrderedDict()  # least recently used first
-        found = []
-        for f in os.listdir(self.dir):
-            p = os.path.join(self.dir, f)
-            if f.endswith(".tmp"):  # a write cut short by a crash or a kill
-                self._unlink(p)
-            elif f.endswith(SUFFIX):
+        found, others = [], []
+        for sub in os.listdir(root):
+            d = os.path.join(root, sub)
+            if not os.path.isdir(d):
+                continue
+            for f in os.listdir(d):
+                p = os.path.join(d, f)
+                if f.endswith(".tmp"):  # a write cut short by a crash or a kill
+                    if not _pid_alive(f):
+                        self._unlink(p)
+                    continue
+                if not f.endswith(SUFFIX):
+                    continue
                 try:
                     st = os.stat(p)
                 except OSError:
                     continue
-                if st.st_size == self.file_size:
+                if d != self.dir:
+                    others.append((st.st_mtime, p, st.st_size))
+                elif st.st_size == self.file_size:
                     found.append((st.st_mtime, f[:-len(SUFFIX)]))
                 else:
                     self._unlink(p)
         for _, name in sorted(found):
             self.entries[name] = None
+        self.others = sorted(others)  # other identities' files, oldest first
+        self.others_bytes = sum(x[2] for x in others)
         self.busy: set[str] = set()
+        self.added_this_step: list[str] = []
         self.num_stored = self.num_loaded = self.num_evicted = 0
         self._trim()
+
+    @property
+    def max_blocks(self) -> int:
+        """This identity's capacity in blocks (the budget less other identities' files)."""
+        return max(1, (self.capacity - self.others_bytes) // self.file_size)
 
     @staticmethod
     def _unlink(p: str) -> None:
@@ -150,6 +187,14 @@ class DiskTier:
 
     def begin_step(self) -> None:
         self.busy = set()
+        self.added_this_step = []
+
+    def undo_step(self) -> None:
+        """The step did not run: forget the files it added that were not written."""
+        for name in self.added_this_step:
+            if name in self.entries and not os.path.exists(self.path(name)):
+                del self.entries[name]
+        self.added_this_step = []
 
     def lookup(self, h: BlockHash) -> bool:
         """Whether block `h` has a whole file here (a missing or short one is dropped)."""
@@ -165,6 +210,10 @@ class DiskTier:
             self._unlink(self.path(name))
             return False
         self.entries.move_to_end(name)
+        try:
+            os.utime(self.path(name))  # the LRU order across restarts
+        except OSError:
+            pass
         return True
 
     def load(self, h: BlockHash) -> str:
@@ -182,12 +231,18 @@ class DiskTier:
             return None
         self.entries[name] = None
         self.busy.add(name)
+        self.added_this_step.append(name)
         self.num_stored += 1
         self._trim()
         return name
 
     def _trim(self) -> None:
-        while len(self.entries) > self.max_blocks:
+        while len(self.entries) * self.file_size + self.others_bytes > self.capacity:
+            if self.others:  # another identity's oldest file goes first
+                _, p, size = self.others.pop(0)
+                self._unlink(p)
+                self.others_bytes -= size
+                continue
             victim = next((n for n in self.entries if n not in self.busy), None)
             if victim is None:
                 return

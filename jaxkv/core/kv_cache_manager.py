@@ -69,6 +69,8 @@ class KVCacheManager:
         n, self._step_cached = len(self._step_cached), []
         if self.host is not None:
             self.host.undo_step()
+        if self.disk is not None:
+            self.disk.undo_step()
         self.transfers = KVTransfers()
         return n
 

@@ -92,6 +92,8 @@ def build_engine(cls, args):
                                        device_memory_bytes=device_memory_bytes(platform))
     if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
         multiprocess.check_mesh(config.runner.tensor_parallel_size)
+        if config.cache.num_host_blocks:  # also when the job came from JAX's environment
+            raise ValueError("swap_space is not supported by a multi-process engine yet")
         config = multiprocess.share_config(dataclasses.replace(
             config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count())))
     mc, rc = config.model_config, config.runner

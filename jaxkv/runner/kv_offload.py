@@ -13,11 +13,16 @@ so that a few small programs serve every step.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.core.disk_tier import read_block, write_block
+from jaxkv.core.disk_tier import CorruptBlockError, read_block, write_block
+
+logger = logging.getLogger("jaxkv")
 
 
 def _pow2(n: int) -> int:
@@ -33,6 +38,7 @@ class KVOffload:
         leaves, self.treedef = jax.tree.flatten(kv_cache)
         self.host = [np.zeros((num_host_blocks, x.shape[0], *x.shape[2:]), x.dtype) for x in leaves]
         self.disk_dir = disk_dir
+        self.write_errors = 0
         self.block_nbytes = sum(h[0].nbytes for h in self.host)
         shardings = [x.sharding for x in leaves]
 
@@ -47,13 +53,39 @@ class KVOffload:
                                 out_shardings=jax.tree.unflatten(self.treedef, shardings))
 
     def _path(self, name: str) -> str:
-        import os
         return os.path.join(self.disk_dir, name + ".kvb")
+
+    def _write(self, name: str, arrays) -> None:
+        """Write a block through to disk; a failed write (disk full, folder gone) is logged
+        and skipped: the block is simply not on disk (its lookup finds no whole file)."""
+        try:
+            try:
+                write_block(self._path(name), arrays)
+            except FileNotFoundError:  # the folder was removed: make it again, once
+                os.makedirs(self.disk_dir, exist_ok=True)
+                write_block(self._path(name), arrays)
+        except OSError as e:
+            self.write_errors += 1
+            if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                logger.warning("KV disk tier: could not write a block (%s); %d failed so far",
+                               e.strerror or e, self.write_errors)
+
+    def _read(self, name: str):
+        """A block's arrays from its file; any failure (damaged, gone, unreadable) is a
+        CorruptBlockError, so the engine undoes the step and computes the block instead."""
+        try:
+            return read_block(self._path(name), [h[0] for h in self.host])
+        except CorruptBlockError:
+            raise
+        except OSError as e:
+            raise CorruptBlockError(f"KV block file {name} could not be read "
+                                    f"({e.strerror or e})") from None
 
     def apply(self, t, kv_cache):
         """Make the copies of KVTransfers `t`; returns the pool (the same one, updated in
-        place). Raises jaxkv.core.disk_tier.CorruptBlockError for a damaged block file (deleted;
-        the step fails before it ran and is undone, its blocks are computed again)."""
+        place). Raises jaxkv.core.disk_tier.CorruptBlockError for a block file that is damaged
+        (deleted) or cannot be read: the step fails before it ran and is undone, and its
+        blocks are computed again. A failed write is logged and skipped."""
         if t.device_to_host:
             bids, slots = (list(x) for x in zip(*t.device_to_host))
             ids = np.zeros(_pow2(len(bids)), np.int32)
@@ -61,10 +93,9 @@ class KVOffload:
             for h, d in zip(self.host, jax.device_get(self._gather(kv_cache, ids))):
                 h[slots] = d[:len(slots)]
         for slot, name in t.host_to_disk:
-            write_block(self._path(name), [h[slot] for h in self.host])
+            self._write(name, [h[slot] for h in self.host])
         loads = [(bid, [h[slot] for h in self.host]) for slot, bid in t.host_to_device]
-        loads += [(bid, read_block(self._path(name), [h[0] for h in self.host]))
-                  for name, bid in t.disk_to_device]
+        loads += [(bid, self._read(name)) for name, bid in t.disk_to_device]
         if not loads:
             return kv_cache
         n = _pow2(len(loads))

@@ -179,7 +179,10 @@ class ModelRunner:
     def recover_kv_cache(self) -> bool:
         """After a failed step: True when the KV pool did not survive it (donated to a program
         that failed, or holding its error) and was reallocated as zeros; False when it is
-        intact. Every block's contents are gone when True."""
+        intact. Every block's contents are gone when True. A multi-process leader tells its
+        followers to check theirs."""
+        if self.leader is not None:
+            self.leader.recovered()
         try:
             for a in jax.tree.leaves(self.kv_cache):
                 if a.is_deleted():

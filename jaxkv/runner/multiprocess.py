@@ -34,7 +34,8 @@ import numpy as np
 
 logger = logging.getLogger("jaxkv")
 
-STEP, HEARTBEAT, STOP, CONFIG = "step", "heartbeat", "stop", "config"
+STEP, HEARTBEAT, STOP, CONFIG, RECOVER = "step", "heartbeat", "stop", "config", "recover"
+_built = False  # whether this process built its multi-process engine already
 HEARTBEAT_S = 10.0  # the leader's idle heartbeat period
 
 
@@ -115,8 +116,14 @@ class Channel:
 
 def share_config(config, channel: Channel | None = None):
     """The leader's resolved EngineConfig, on every process (KV pool size included: hosts
-    with different memory must still build the same pool)."""
+    with different memory must still build the same pool). ValueError for a second engine in
+    the same job: its processes serve one engine, for their lifetime."""
+    global _built
     import jax
+    if _built:
+        raise ValueError("a multi-process engine exists in this process already: one engine per "
+                         "job (its followers serve it until it stops)")
+    _built = True
     channel = channel or Channel()
     if jax.process_index() == 0:
         channel.send((CONFIG, config))
@@ -150,6 +157,14 @@ class Leader:
             finally:
                 self.last = time.monotonic()
 
+    def recovered(self) -> None:
+        """The leader's step failed and its pool was checked (ModelRunner.recover_kv_cache):
+        tell the followers, whose same step failed too, to do the same."""
+        with self.lock:
+            if not self.stopped:
+                self.channel.send((RECOVER, None))
+                self.last = time.monotonic()
+
     def _heartbeat(self) -> None:
         while True:
             time.sleep(self.heartbeat_s / 4)
@@ -177,23 +192,32 @@ class Leader:
 
 def follow(runner, channel: Channel | None = None) -> int:
     """A follower's loop: run every step the leader sends, until its stop. Returns the steps
-    run. A step that fails here failed on the leader too (same inputs, same programs): the
-    follower recovers its pool as the leader does and goes on."""
+    run. A step that fails on the leader is followed by its RECOVER, and the follower checks its
+    pool as the leader did; a step that failed here while the leader's ran (this host's own
+    trouble) makes the follower stop with an error, rather than hold shards the engine no
+    longer matches."""
     import jax
     channel = channel or Channel()
     logger.info("process %d follows process 0's steps", jax.process_index())
-    steps = 0
+    steps, failed = 0, None
     while True:
         kind, body = channel.receive()
+        if failed is not None and kind != RECOVER:  # the leader's step ran: ours alone failed
+            raise RuntimeError(f"process {jax.process_index()}: a step failed here but not on "
+                               f"process 0 ({failed}); this process's KV shards are no longer "
+                               "the engine's, so it stops") from failed
         if kind == STOP:
             break
-        if kind == STEP:
+        if kind == RECOVER:  # the leader's step failed: check our pool as it did
+            runner.recover_kv_cache()
+            failed = None
+        elif kind == STEP:
             out, bucket = body
             try:
                 runner.execute(out, bucket=bucket)
-            except Exception as e:  # noqa: BLE001 - mirrored from the leader's failed step
-                logger.warning("step failed on this follower as on the leader: %s", e)
-                runner.recover_kv_cache()
+            except Exception as e:  # noqa: BLE001 - the leader's RECOVER must follow
+                logger.warning("a step failed on this follower: %s", e)
+                failed = e
             steps += 1
     logger.info("process %d: process 0 stopped after %d steps; leaving", jax.process_index(), steps)
     return steps

@@ -72,10 +72,10 @@ def test_disk_tier_index_survives_a_restart_and_drops_bad_files(tmp_path):
     for h in H[:3]:
         write_block(d.path(d.add(h)), [np.zeros(16, np.float32)])
     open(d.path(H[1].hex()), "r+b").truncate(10)  # truncated by hand
-    open(os.path.join(d.dir, "x.kvb.123.tmp"), "wb").write(b"half")  # a write cut short
+    open(os.path.join(d.dir, "x.kvb.999999999.tmp"), "wb").write(b"half")  # a write cut short
     again = DiskTier(str(tmp_path), 10 * (nbytes + 8), nbytes, ID)
     assert again.lookup(H[0]) and again.lookup(H[2]) and not again.lookup(H[1])
-    assert not os.path.exists(os.path.join(d.dir, "x.kvb.123.tmp"))
+    assert not os.path.exists(os.path.join(d.dir, "x.kvb.999999999.tmp"))
     other = DiskTier(str(tmp_path), 10 * (nbytes + 8), nbytes, {**ID, "dtype": "bfloat16"})
     assert other.dir != d.dir and not other.lookup(H[0])  # another model identity reads nothing
 

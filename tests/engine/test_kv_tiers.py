@@ -149,7 +149,9 @@ def test_disk_tier_survives_a_restart_and_never_serves_bad_files(tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(swap_space=-1), "swap_space must be a number of GiB >= 0"),
+    (dict(swap_space=-1), "swap_space must be a finite number of GiB >= 0"),
+    (dict(swap_space=float("inf")), "swap_space must be a finite number of GiB >= 0"),
+    (dict(kv_offloading_size=float("nan")), "kv_offloading_size must be a finite number"),
     (dict(preemption_mode="swap"), "preemption_mode swap needs a host tier"),
     (dict(preemption_mode="later"), "preemption_mode must be one of"),
     (dict(swap_space=1, kv_offloading_size=2), "kv_offloading_size and swap_space"),
@@ -171,3 +173,5 @@ def test_unwritable_disk_dir_and_tiny_sizes_fail_in_one_line(tmp_path):
         LLM(**SMALL, swap_space=0.01, kv_cache_disk_dir=str(blocker / "sub"), kv_cache_disk_bytes="1GiB")
     with pytest.raises(ValueError, match="swap_space .* holds no KV block"):
         EngineArgs(swap_space=1e-6).create_engine_config(platform="cpu")
+    with pytest.raises(ValueError, match="swap_space .* is more than 70% of this machine's memory"):
+        EngineArgs(swap_space=1e6).create_engine_config(platform="cpu")

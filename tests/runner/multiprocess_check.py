@@ -30,7 +30,12 @@ def main() -> dict:
     seeded = llm.generate(prompts[:3], SamplingParams(temperature=0.9, seed=7, max_tokens=8,
                                                       ignore_eos=True, n=2), use_tqdm=False)
     s = llm.stats()
-    return {"greedy": [o.outputs[0].token_ids for o in greedy],
+    second = None
+    try:  # the processes serve one engine for their lifetime
+        LLM(model=sys.argv[4], tensor_parallel_size=4, **ENGINE, **dist)
+    except ValueError as e:
+        second = str(e)
+    return {"second_engine": second,"greedy": [o.outputs[0].token_ids for o in greedy],
             "logprobs": [[{str(t): lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]
                          for o in greedy],
             "seeded": [[c.token_ids for c in o.outputs] for o in seeded],

@@ -67,6 +67,11 @@ def test_the_pool_is_split_across_the_processes(runs):
     assert two["num_free_blocks"] == two["num_total_blocks"]  # every block back after the run
 
 
+def test_a_second_engine_in_the_job_is_refused(runs):
+    assert runs["two"]["second_engine"].startswith("a multi-process engine exists in this process")
+    assert runs["one"]["second_engine"] is None  # one process: as many engines as wanted
+
+
 def test_the_follower_runs_the_steps_and_exits_cleanly(runs):
     assert runs["follower"] is None  # LLM(...) on process 1 never returned: it followed
     assert "process 1 follows process 0's steps" in runs["err1"]
