@@ -45,6 +45,7 @@ class KVCacheManager:
         self.transfers = KVTransfers()
         self.swapped: dict[str, list[BlockHash]] = {}  # swapped-out request -> pinned hashes
         self.host_hit_tokens = self.disk_hit_tokens = 0  # prompt tokens found in each tier
+        self._step_counters = None  # the tier counters when the step being scheduled began
         if host is not None:
             self.pool.on_evict = self._offload
 
@@ -56,6 +57,17 @@ class KVCacheManager:
         for tier in (self.host, self.disk):
             if tier is not None:
                 tier.begin_step()
+        self._step_counters = self._tier_counters()
+
+    def _tier_counters(self) -> tuple:
+        return (self.host_hit_tokens, self.disk_hit_tokens,
+                *((t.num_stored, t.num_loaded, t.num_evicted) for t in (self.host, self.disk)
+                  if t is not None))
+
+    def _restore_tier_counters(self, saved: tuple) -> None:
+        self.host_hit_tokens, self.disk_hit_tokens = saved[0], saved[1]
+        for tier, counts in zip((t for t in (self.host, self.disk) if t is not None), saved[2:]):
+            tier.num_stored, tier.num_loaded, tier.num_evicted = counts
 
     def commit_step(self) -> None:
         """The step ran: its blocks hold the K/V their hashes promise."""
@@ -71,6 +83,8 @@ class KVCacheManager:
             self.host.undo_step()
         if self.disk is not None:
             self.disk.undo_step()
+        if getattr(self, "_step_counters", None) is not None:  # the step's counts never happened
+            self._restore_tier_counters(self._step_counters)
         self.transfers = KVTransfers()
         return n
 

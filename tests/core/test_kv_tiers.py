@@ -174,3 +174,21 @@ def test_swap_out_pins_until_release_and_undo_unpins():
     kv.swap_out(c2)
     kv.undo_step_hashes()  # the step never ran: nothing it stored survives, pins included
     assert kv.host.num_pinned == 0
+
+
+def test_an_undone_step_counts_nothing_in_the_tiers():
+    kv = manager(5, 8)
+    a = req("a", [1, 2, 3, 4, 5, 6])
+    run(kv, a)
+    kv.free(a)
+    b = req("b", [7, 8, 9, 10, 11, 12, 13, 14])
+    run(kv, b)  # evicts a's blocks to host
+    kv.free(b)
+    before = kv._tier_counters()
+    kv.begin_step()
+    again = req("a2", [1, 2, 3, 4, 5, 6, 99])
+    hit, _ = kv.get_computed_blocks(again)
+    assert kv.allocate_slots(again, 1, hit, kv.get_lower_tier_hits(again, len(hit)))
+    assert kv._tier_counters() != before  # hits, loads and stores counted while scheduling
+    kv.undo_step_hashes()
+    assert kv._tier_counters() == before
