@@ -83,8 +83,9 @@ def cmd_plan(ns) -> int:
         print(f"blocks: {b.num_blocks:,} of {b.block_size} tokens = {b.num_tokens:,} tokens")
         print(f"max concurrency at {config.max_model_len:,} tokens per request: {b.max_concurrency:.2f}")
         for name, t in tiers.items():
+            per = config.cache.block_bytes + (8 if name == "disk" else 0)  # a file's CRC trailer
             print(f"{name} tier: {t['blocks']:,} blocks = {t['tokens']:,} tokens = {t['requests']:.2f} "
-                  f"requests of {config.max_model_len:,} tokens ({config.cache.block_bytes:,} bytes per block)")
+                  f"requests of {config.max_model_len:,} tokens ({per:,} bytes per block)")
     return 0
 
 

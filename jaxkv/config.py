@@ -103,9 +103,10 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute", "what a preempted request's blocks become: recompute "
                                 "(freed; computed again) or swap (copied to the host tier and "
                                 "loaded back when it resumes)", choices=PREEMPTION_MODES)
-    kv_cache_disk_dir: str | None = _arg(None, "folder of the KV cache's disk tier: blocks evicted "
-                                         "from the host tier, kept across restarts (one subfolder "
-                                         "per model identity)")
+    kv_cache_disk_dir: str | None = _arg(None, "folder of the KV cache's disk tier: every block the "
+                                         "host tier takes is also written there and read back on "
+                                         "a prefix hit, across restarts (one subfolder per model "
+                                         "identity)")
     kv_cache_disk_bytes: int | str | None = _arg(None, "the disk tier's size in bytes (also 20GiB, "
                                                  "500MiB)", type=parse_bytes)
     tensor_parallel_size: int = _arg(1, "devices the model is split over (tensor parallelism on "
@@ -113,7 +114,7 @@ class EngineArgs:
                                      "KV head)")
     distributed_coordinator: str | None = _arg(
         None, "HOST:PORT of process 0's jax.distributed coordinator, for one engine over the "
-        "devices of several processes or hosts (default: JAX's environment, "
+        "devices of several processes or hosts (none: JAX's environment, "
         "JAX_COORDINATOR_ADDRESS or a SLURM / Open MPI / Kubernetes job)", metavar="HOST:PORT")
     num_processes: int | None = _arg(None, "processes of a multi-process engine; process 0 runs "
                                      "the scheduler and the server, the others its steps")

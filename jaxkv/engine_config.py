@@ -238,6 +238,9 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         raise ValueError(f"swap_space ({host_bytes / 2**30:.1f} GiB) is more than 70% of this "
                          f"machine's memory ({ram / 2**30:.1f} GiB)")
     disk_bytes = 0 if args.kv_cache_disk_bytes is None else parse_bytes(args.kv_cache_disk_bytes)
+    if args.kv_cache_disk_dir is not None and disk_bytes < block_bytes + 8:
+        raise ValueError(f"kv_cache_disk_bytes ({disk_bytes}) holds no KV block of this model "
+                         f"({block_bytes + 8} bytes per file)")
     return EngineConfig(
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc,

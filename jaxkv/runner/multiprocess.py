@@ -73,6 +73,9 @@ def initialize(args) -> None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = args.distributed_coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address and (args.num_processes is not None or args.process_id is not None):
+        raise ValueError("num_processes / process_id need distributed_coordinator HOST:PORT (or "
+                         "JAX_COORDINATOR_ADDRESS): process 0's address, where the others join")
     t0 = time.monotonic()
     if address and args.process_id:  # process 0 hosts the coordinator itself
         _wait_for_coordinator(address, args.distributed_timeout)
@@ -87,6 +90,10 @@ def initialize(args) -> None:
 def check_mesh(tensor_parallel_size: int) -> None:
     """ValueError in one line unless the mesh spans every device of every process."""
     import jax
+    if jax.process_count() > 1 and jax.local_device_count() * jax.process_count() != jax.device_count():
+        raise ValueError(f"every process of a multi-process engine needs the same number of "
+                         f"devices (this one has {jax.local_device_count()}, all "
+                         f"{jax.process_count()} have {jax.device_count()})")
     if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must equal the devices of "
                          f"all {jax.process_count()} processes ({jax.device_count()}): a "
