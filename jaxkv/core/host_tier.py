@@ -35,6 +35,11 @@ class HostTier:
         self.num_evicted = 0
 
     @property
+    def max_blocks(self) -> int:
+        """The tier's capacity in blocks (as DiskTier.max_blocks)."""
+        return self.num_slots
+
+    @property
     def num_used(self) -> int:
         return len(self.entries)
 

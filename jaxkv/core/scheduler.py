@@ -45,7 +45,7 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None):
         self.kv = kv
         self.config = config
-        self.preemption_mode = getattr(config, "preemption_mode", "recompute")
+        self.preemption_mode = config.preemption_mode
         self.num_swapped_out = 0  # preemptions by swap (blocks copied to the host tier)
         self.block_size = kv.block_size
         self.max_num_seqs = config.max_num_seqs

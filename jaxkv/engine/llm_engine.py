@@ -331,9 +331,9 @@ class LLMEngine:
 
     def _tier_stats(self) -> dict:
         kv, out = self.scheduler.kv, {}
-        for name, tier in (("host", getattr(kv, "host", None)), ("disk", getattr(kv, "disk", None))):
+        for name, tier in (("host", kv.host), ("disk", kv.disk)):
             if tier is not None:
-                out.update({f"kv_offload_{name}_blocks": getattr(tier, "num_slots", None) or tier.max_blocks,
+                out.update({f"kv_offload_{name}_blocks": tier.max_blocks,
                             f"kv_offload_{name}_used_blocks": tier.num_used,
                             f"kv_offload_{name}_hit_tokens": getattr(kv, f"{name}_hit_tokens"),
                             f"kv_offload_{name}_stored_blocks": tier.num_stored,

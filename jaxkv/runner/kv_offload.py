@@ -20,13 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.core.disk_tier import CorruptBlockError, read_block, write_block
+from jaxkv.core.disk_tier import SUFFIX, CorruptBlockError, read_block, write_block
+from jaxkv.runner.buckets import pow2_at_least
 
 logger = logging.getLogger("jaxkv")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class KVOffload:
@@ -53,7 +50,7 @@ class KVOffload:
                                 out_shardings=jax.tree.unflatten(self.treedef, shardings))
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.disk_dir, name + ".kvb")
+        return os.path.join(self.disk_dir, name + SUFFIX)
 
     def _write(self, name: str, arrays) -> None:
         """Write a block through to disk; a failed write (disk full, folder gone) is logged
@@ -88,7 +85,7 @@ class KVOffload:
         blocks are computed again. A failed write is logged and skipped."""
         if t.device_to_host:
             bids, slots = (list(x) for x in zip(*t.device_to_host))
-            ids = np.zeros(_pow2(len(bids)), np.int32)
+            ids = np.zeros(pow2_at_least(len(bids), 1), np.int32)
             ids[:len(bids)] = bids
             for h, d in zip(self.host, jax.device_get(self._gather(kv_cache, ids))):
                 h[slots] = d[:len(slots)]
@@ -98,7 +95,7 @@ class KVOffload:
         loads += [(bid, self._read(name)) for name, bid in t.disk_to_device]
         if not loads:
             return kv_cache
-        n = _pow2(len(loads))
+        n = pow2_at_least(len(loads), 1)
         ids = np.zeros(n, np.int32)
         ids[:len(loads)] = [bid for bid, _ in loads]
         data = []

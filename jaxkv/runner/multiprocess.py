@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from jaxkv.runner.buckets import pow2_at_least
+
 logger = logging.getLogger("jaxkv")
 
 STEP, HEARTBEAT, STOP, CONFIG, RECOVER = "step", "heartbeat", "stop", "config", "recover"
@@ -100,10 +102,6 @@ def check_mesh(tensor_parallel_size: int) -> None:
                          "multi-process engine splits the model over all of them")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(8, (n - 1).bit_length())
-
-
 class Channel:
     """Leader-to-followers messages over JAX's broadcast collective. Every process must call
     send (the leader) or receive (the others) the same number of times, in the same order."""
@@ -112,12 +110,12 @@ class Channel:
         from jax.experimental import multihost_utils as mhu
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         mhu.broadcast_one_to_all(np.array([len(data)], np.int32))
-        mhu.broadcast_one_to_all(np.frombuffer(data.ljust(_pow2(len(data)), b"\0"), np.uint8))
+        mhu.broadcast_one_to_all(np.frombuffer(data.ljust(pow2_at_least(len(data), 256), b"\0"), np.uint8))
 
     def receive(self):
         from jax.experimental import multihost_utils as mhu
         n = int(mhu.broadcast_one_to_all(np.zeros(1, np.int32))[0])
-        buf = mhu.broadcast_one_to_all(np.zeros(_pow2(n), np.uint8))
+        buf = mhu.broadcast_one_to_all(np.zeros(pow2_at_least(n, 256), np.uint8))
         return pickle.loads(np.asarray(buf)[:n].tobytes())
 
 
