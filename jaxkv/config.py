@@ -23,7 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM), plus int8;
 # the one-byte ones carry a scale per token and KV head (jaxkv/attention/kv_pool.py).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
-ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -91,7 +91,9 @@ class EngineArgs:
                                         "is refused)")
     enforce_eager: bool = _arg(False, "run without jit (debugging; very slow)")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
-    attention_backend: str = _arg("auto", "auto = pallas on a GPU, xla elsewhere",
+    attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (xla's path with "
+                                  "a C++ decode kernel built on first use; xla when it cannot "
+                                  "be built), xla elsewhere",
                                   choices=ATTENTION_BACKENDS)
     max_logprobs: int = _arg(20, "most logprobs a request may ask for")
     seed: int = _arg(0, "engine seed: unseeded requests draw their seeds from it")

@@ -52,7 +52,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class RunnerConfig:
     dtype: str                   # "float32" | "bfloat16" | "float16" (resolved from "auto")
-    attention_backend: str       # "xla" | "pallas" (resolved from "auto")
+    attention_backend: str       # "cpu" | "xla" | "pallas" (resolved from "auto")
     token_buckets: tuple[int, ...]  # padded token counts of a step, ascending; last >= budget
     max_logprobs: int
     enforce_eager: bool
@@ -173,12 +173,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
 
 
 def resolve_backend(name: str, platform: str) -> str:
-    """auto -> "pallas" on GPU, "xla" elsewhere; "pallas" and "xla" stay as asked (pallas off
-    a GPU runs in interpret mode). ValueError for an unknown name."""
+    """auto -> "pallas" on a GPU, "cpu" on a CPU, "xla" elsewhere; the others stay as asked
+    (pallas off a GPU runs in interpret mode). ValueError for an unknown name. (The engine
+    build turns an auto "cpu" into "xla" when the C++ kernel cannot be built or split:
+    jaxkv/engine/setup.py.)"""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        return "pallas" if platform == "gpu" else "xla"
+        return {"gpu": "pallas", "cpu": "cpu"}.get(platform, "xla")
     return name
 
 

@@ -74,7 +74,7 @@ def test_engine_config_is_resolved_once_per_platform_and_frozen():
     gpu = args.create_engine_config(platform="gpu", model_config=mc)
     assert args.kv_cache_memory_bytes == "1GiB" and args.max_num_batched_tokens is None  # untouched
     assert (cpu.runner.dtype, gpu.runner.dtype) == ("float32", "bfloat16")
-    assert (cpu.runner.attention_backend, gpu.runner.attention_backend) == ("xla", "pallas")
+    assert (cpu.runner.attention_backend, gpu.runner.attention_backend) == ("cpu", "pallas")
     assert (cpu.scheduler.max_num_batched_tokens, gpu.scheduler.max_num_batched_tokens) == (512, 8192)
     assert cpu.runner.token_buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     assert cpu.runner.warmup_token_buckets == (1, 8, 64, 512)  # the rest compile in the background

@@ -5,11 +5,15 @@ K/V write are in kv_pool.py).
 model (no backend string travels through the layers):
   - "xla": jaxkv/attention/xla_ragged.py, ragged paged attention in pure jnp tuned for XLA;
     its per-step row metadata is computed once (`prepare`) and shared by every layer.
+  - "cpu": the xla path with its decode rows computed by a C++ kernel that reads the pool's
+    blocks in place (jaxkv/attention/cpu_decode.py, an XLA FFI custom call built on first use
+    with the machine's compiler); prefill chunks keep the xla path's segments. The default on
+    a CPU; per device under tensor parallelism (`per_shard`), like a Pallas call.
   - "pallas": the Pallas kernels of pallas_kernels/: the ragged kernel for steps with prefill
     chunks, the decode kernel for decode-only steps (StepInput.decode_only, static, so each
     token bucket has a decode program of its own). Native on a GPU; interpret mode elsewhere
     (correct but slow: for tests, never for serving on a CPU).
-Both compute exactly pallas_kernels.reference.ragged_paged_attention_reference (the oracle
+All three compute exactly pallas_kernels.reference.ragged_paged_attention_reference (the oracle
 they are tested against).
 """
 
@@ -86,6 +90,15 @@ def _xla_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
                                       kv_dtype=pool.dtype, metadata=shared)
 
 
+def _cpu_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
+    from jaxkv.attention import cpu_decode
+    return xla_ragged_paged_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
+                                      step.query_start_loc, step.num_seqs, scale=scale,
+                                      layer=layer, k_scale=pool.k_scale, v_scale=pool.v_scale,
+                                      kv_dtype=pool.dtype, metadata=shared,
+                                      row_kernel=cpu_decode.row_kernel)
+
+
 def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
     return pallas_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
                             step.query_start_loc, step.num_seqs, scale=scale, layer=layer,
@@ -95,6 +108,7 @@ def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
 
 _BACKENDS = {
     "xla": Attention("xla", _xla_prepare, _xla_attend, uses_decode_only=False),
+    "cpu": Attention("cpu", _xla_prepare, _cpu_attend, uses_decode_only=False),
     "pallas": Attention("pallas", lambda step, block_size: None, _pallas_attend,
                         uses_decode_only=True),
 }
@@ -133,11 +147,17 @@ def per_shard(attention: Attention, mesh, axis: str = "tp") -> Attention:
 
 
 def get_attention(backend: str, mesh=None) -> Attention:
-    """The Attention of a resolved backend name ("xla" | "pallas"); ValueError otherwise.
-    With a tensor-parallel `mesh` the Pallas kernels run per shard (`per_shard`); the XLA path
-    is partitioned by XLA from the shardings of its operands."""
+    """The Attention of a resolved backend name ("cpu" | "xla" | "pallas"); ValueError
+    otherwise, and for "cpu" when its kernel cannot be built (the compiler's message). With a
+    tensor-parallel `mesh` the Pallas kernels and the C++ kernel run per shard (`per_shard`);
+    the XLA path is partitioned by XLA from the shardings of its operands."""
     if backend not in _BACKENDS:
-        raise ValueError(f"attention backend must be 'xla' or 'pallas', got {backend!r}")
-    if mesh is not None and backend == "pallas":
+        raise ValueError(f"attention backend must be 'cpu', 'xla' or 'pallas', got {backend!r}")
+    if backend == "cpu":
+        from jaxkv.attention import cpu_decode
+        if cpu_decode.load() is None:
+            raise ValueError(f"attention_backend cpu: its kernel cannot be built: "
+                             f"{cpu_decode.build_error()}")
+    if mesh is not None and backend in ("pallas", "cpu"):
         return per_shard(_BACKENDS[backend], mesh)
     return _BACKENDS[backend]

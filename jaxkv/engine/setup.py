@@ -35,6 +35,30 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def attention_backend(config, mesh, asked: str) -> str:
+    """The resolved backend, checked against what this machine and mesh allow: a kernel run
+    per device (pallas, cpu) needs the KV heads split over a tensor-parallel mesh; the cpu
+    kernel needs a C++ compiler. When the backend came from "auto", "cpu" falls back to "xla"
+    (with a log line) instead of failing; otherwise a ValueError says why."""
+    from jaxkv.models.sharding import kv_heads_split
+    backend, mc = config.runner.attention_backend, config.model_config
+    why = None
+    if backend in ("pallas", "cpu") and mesh is not None and not kv_heads_split(mc, mesh):
+        why = (f"attention_backend {backend} with tensor_parallel_size "
+               f"{config.runner.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
+               "split over the devices, not replicated (use the xla backend)")
+    elif backend == "cpu":
+        from jaxkv.attention import cpu_decode
+        if cpu_decode.load() is None:
+            why = f"attention_backend cpu: its kernel cannot be built: {cpu_decode.build_error()}"
+    if why is None:
+        return backend
+    if asked == "auto" and backend == "cpu":
+        logger.warning("%s; using the xla attention backend", why)
+        return "xla"
+    raise ValueError(why)
+
+
 def kv_tiers(runner, config, args):
     """The KV cache's host and disk tiers (or None), and the runner's side of them."""
     cc = config.cache
@@ -90,21 +114,20 @@ def build_engine(cls, args):
     config = args.create_engine_config(platform=platform,
                                        model_config=ModelConfig.from_hf_config(ckpt.config),
                                        device_memory_bytes=device_memory_bytes(platform))
-    if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
+    if jax.process_count() > 1:
         multiprocess.check_mesh(config.runner.tensor_parallel_size)
         if config.cache.num_host_blocks:  # also when the job came from JAX's environment
             raise ValueError("swap_space is not supported by a multi-process engine yet")
+    mesh = None
+    if config.runner.tensor_parallel_size > 1:
+        from jaxkv.models.sharding import make_mesh
+        mesh = make_mesh(config.runner.tensor_parallel_size)
+    config = dataclasses.replace(config, runner=dataclasses.replace(
+        config.runner, attention_backend=attention_backend(config, mesh, args.attention_backend)))
+    if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
         config = multiprocess.share_config(dataclasses.replace(
             config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count())))
     mc, rc = config.model_config, config.runner
-    mesh = None
-    if rc.tensor_parallel_size > 1:
-        from jaxkv.models.sharding import kv_heads_split, make_mesh
-        mesh = make_mesh(rc.tensor_parallel_size)
-        if rc.attention_backend == "pallas" and not kv_heads_split(mc, mesh):
-            raise ValueError(f"attention_backend pallas with tensor_parallel_size "
-                             f"{rc.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
-                             "split over the devices, not replicated (use the xla backend)")
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh))
     if args.load_format == "dummy":
