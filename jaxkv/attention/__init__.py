@@ -5,10 +5,10 @@ K/V write are in kv_pool.py).
 model (no backend string travels through the layers):
   - "xla": jaxkv/attention/xla_ragged.py, ragged paged attention in pure jnp tuned for XLA;
     its per-step row metadata is computed once (`prepare`) and shared by every layer.
-  - "cpu": the xla path with its decode rows computed by a C++ kernel that reads the pool's
-    blocks in place (jaxkv/attention/cpu_decode.py, an XLA FFI custom call built on first use
-    with the machine's compiler); prefill chunks keep the xla path's segments. The default on
-    a CPU; per device under tensor parallelism (`per_shard`), like a Pallas call.
+  - "cpu": jaxkv/attention/cpu_attention.py, ragged paged attention in C++ (an XLA FFI custom
+    call built on first use with the machine's compiler) that reads the pool's blocks in
+    place: decode rows, prefill chunks and prompt tails alike. The default on a CPU; per
+    device under tensor parallelism (`per_shard`), like a Pallas call.
   - "pallas": the Pallas kernels of pallas_kernels/: the ragged kernel for steps with prefill
     chunks, the decode kernel for decode-only steps (StepInput.decode_only, static, so each
     token bucket has a decode program of its own). Native on a GPU; interpret mode elsewhere
@@ -29,6 +29,7 @@ from pallas_kernels.ragged_paged_attention import DEFAULT_BLOCK_M
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_kernel
 from pallas_kernels.validation import next_pow2
 
+from jaxkv.attention import cpu_attention
 from jaxkv.attention.kv_pool import (KVPool, is_rotated, new_kv_pool, rotate,  # noqa: F401
                                     split_by_kv_head, write_kv)
 from jaxkv.attention.xla_ragged import ragged_metadata, xla_ragged_paged_attention
@@ -91,12 +92,10 @@ def _xla_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
 
 
 def _cpu_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
-    from jaxkv.attention import cpu_decode
-    return xla_ragged_paged_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
-                                      step.query_start_loc, step.num_seqs, scale=scale,
-                                      layer=layer, k_scale=pool.k_scale, v_scale=pool.v_scale,
-                                      kv_dtype=pool.dtype, metadata=shared,
-                                      row_kernel=cpu_decode.row_kernel)
+    return cpu_attention.ragged_paged_attention(
+        q, pool.k, pool.v, step.block_tables, step.seq_lens, step.query_start_loc,
+        step.num_seqs, scale=scale, layer=layer, k_scale=pool.k_scale, v_scale=pool.v_scale,
+        kv_dtype=pool.dtype)
 
 
 def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
@@ -108,7 +107,7 @@ def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale):
 
 _BACKENDS = {
     "xla": Attention("xla", _xla_prepare, _xla_attend, uses_decode_only=False),
-    "cpu": Attention("cpu", _xla_prepare, _cpu_attend, uses_decode_only=False),
+    "cpu": Attention("cpu", lambda step, block_size: None, _cpu_attend, uses_decode_only=False),
     "pallas": Attention("pallas", lambda step, block_size: None, _pallas_attend,
                         uses_decode_only=True),
 }
@@ -154,10 +153,9 @@ def get_attention(backend: str, mesh=None) -> Attention:
     if backend not in _BACKENDS:
         raise ValueError(f"attention backend must be 'cpu', 'xla' or 'pallas', got {backend!r}")
     if backend == "cpu":
-        from jaxkv.attention import cpu_decode
-        if cpu_decode.load() is None:
+        if cpu_attention.load() is None:
             raise ValueError(f"attention_backend cpu: its kernel cannot be built: "
-                             f"{cpu_decode.build_error()}")
+                             f"{cpu_attention.build_error()}")
     if mesh is not None and backend in ("pallas", "cpu"):
         return per_shard(_BACKENDS[backend], mesh)
     return _BACKENDS[backend]

@@ -213,7 +213,7 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
                                num_seqs, *, scale: float, layer=None, k_scale=None,
                                v_scale=None, kv_dtype=None, metadata: RaggedMetadata | None = None,
                                chunk_tokens: int = CHUNK_TOKENS,
-                               segment_rows: int = SEGMENT_ROWS, row_kernel=None):
+                               segment_rows: int = SEGMENT_ROWS):
     """Ragged paged attention over a block-paged KV pool: arguments, shapes and result as
     pallas_kernels.reference.ragged_paged_attention_reference (the layer of a stacked pool is
     chosen inside the gathers; no layer is sliced out), plus:
@@ -221,9 +221,6 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
         layers (it is computed here otherwise), made with the same chunk_tokens and
         segment_rows.
       chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
-      row_kernel: what computes the per-row path instead of its jnp loop, called as
-        row_kernel(q [P, K, G, D] scaled, pool (k, v, k_scale, v_scale, kv_dtype), layer,
-        tables, ctx) -> (m, l, acc) (jaxkv/attention/cpu_decode.py's C++ kernel), or None.
     k_scale, v_scale, kv_dtype are those of the oracle: the scales of an int8 / float8 pool, or
     None; the values' type when the pool holds their bits, or None.
     """
@@ -242,10 +239,7 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
 
     packed = md.row_idx.shape[0] < num_tokens
     qr = qf[jnp.minimum(md.row_idx, num_tokens - 1)] if packed else qf
-    if row_kernel is None:
-        state = _row_attention(qr, pool, layer, md.tables, md.ctx, cb, block_size)
-    else:
-        state = row_kernel(qr, pool, layer, md.tables, md.ctx)
+    state = _row_attention(qr, pool, layer, md.tables, md.ctx, cb, block_size)
     if packed:  # back to their rows; unused slots (index T) are dropped
         state = tuple(e.at[md.row_idx].set(x, mode="drop")
                       for e, x in zip(_empty_state(num_tokens, num_kv_heads, group, head_dim),

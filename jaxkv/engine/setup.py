@@ -48,9 +48,10 @@ def attention_backend(config, mesh, asked: str) -> str:
                f"{config.runner.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
                "split over the devices, not replicated (use the xla backend)")
     elif backend == "cpu":
-        from jaxkv.attention import cpu_decode
-        if cpu_decode.load() is None:
-            why = f"attention_backend cpu: its kernel cannot be built: {cpu_decode.build_error()}"
+        from jaxkv.attention import cpu_attention
+        if cpu_attention.load() is None:
+            why = (f"attention_backend cpu: its kernel cannot be built: "
+                   f"{cpu_attention.build_error()}")
     if why is None:
         return backend
     if asked == "auto" and backend == "cpu":

@@ -1,6 +1,7 @@
-"""The engine with attention_backend="pallas" (interpret mode on this CPU) gives the xla
-backend's greedy outputs on the real embedded model; backend resolution; the decode-kernel
-dispatch of jaxkv.attention.pallas_attention equals the ragged path."""
+"""The engine with attention_backend="pallas" (interpret mode on this CPU), and with "xla",
+gives the cpu backend's greedy outputs on the real embedded model (the session engine's
+default here); backend resolution; the decode-kernel dispatch of
+jaxkv.attention.pallas_attention equals the ragged path."""
 
 import numpy as np
 import pytest
@@ -17,8 +18,9 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):"]
 
 
 @pytest.mark.parametrize("name,platform,want", [
-    ("auto", "gpu", "pallas"), ("auto", "cpu", "xla"), ("pallas", "cpu", "pallas"),
-    ("pallas", "gpu", "pallas"), ("xla", "gpu", "xla"),
+    ("auto", "gpu", "pallas"), ("auto", "cpu", "cpu"), ("auto", "tpu", "xla"),
+    ("pallas", "cpu", "pallas"), ("pallas", "gpu", "pallas"), ("xla", "gpu", "xla"),
+    ("xla", "cpu", "xla"), ("cpu", "cpu", "cpu"),
 ])
 def test_resolve_backend(name, platform, want):
     assert resolve_backend(name, platform) == want
@@ -29,13 +31,28 @@ def test_resolve_backend_rejects_unknown():
         resolve_backend("triton", "gpu")
 
 
+def test_xla_engine_matches_cpu_engine(llm):
+    """The pure-JAX backend (the fallback without a C++ compiler) against the default one."""
+    from jaxkv import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    assert llm.llm_engine.runner.model.attention.name == "cpu"  # the shared session engine
+    ref = llm.generate(PROMPTS, sp, use_tqdm=False)
+    xla = LLM(attention_backend="xla", **ENGINE)
+    assert xla.llm_engine.runner.model.attention.name == "xla"
+    for a, b in zip(xla.generate(PROMPTS, sp, use_tqdm=False), ref):
+        assert len(a.outputs[0].token_ids) == sp.max_tokens
+        assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
+                                margins_from_logprobs(b.outputs[0].logprobs), what="xla vs cpu")
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_pallas_engine_matches_xla_engine(llm, kv_cache_dtype):
+def test_pallas_engine_matches_cpu_engine(llm, kv_cache_dtype):
     from jaxkv import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     if kv_cache_dtype == "auto":
-        assert llm.llm_engine.runner.model.attention.name == "xla"  # the shared session engine
+        assert llm.llm_engine.runner.model.attention.name == "cpu"  # the shared session engine
     else:  # a quantized pool: scales read by the kernels, K/V stored rotated
         llm = LLM(kv_cache_dtype=kv_cache_dtype, **ENGINE)
     ref = llm.generate(PROMPTS, sp, use_tqdm=False)
@@ -54,7 +71,7 @@ def test_pallas_engine_matches_xla_engine(llm, kv_cache_dtype):
     for a, b in zip(got, ref):
         assert len(a.outputs[0].token_ids) == sp.max_tokens
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
-                                margins_from_logprobs(b.outputs[0].logprobs), what="pallas vs xla")
+                                margins_from_logprobs(b.outputs[0].logprobs), what="pallas vs cpu")
 
 
 @pytest.mark.parametrize("stacked", [True, False])

@@ -1,24 +1,25 @@
-"""The CPU decode kernel: paged attention of decode rows as an XLA FFI custom call in C++
-(cpu_decode.cc), reading K/V blocks in place from the pool.
+"""The CPU attention kernel: ragged paged attention as an XLA FFI custom call in C++
+(cpu_attention.cc) that reads K/V blocks in place from the pool.
 
 On XLA:CPU any jnp formulation copies a step's K/V blocks out of the pool before it computes
 (XLA materializes the gather, since each key serves a whole query group), then runs small
-batched GEMMs: 7-9 ms per layer for 64 sequences x 256 keys of SmolLM2 where the K/V read
-costs ~1-2 ms. The kernel reads each key and value row once, in place, for its whole query
-group (as vLLM's CPU paged-attention kernel and the Pallas decode kernel do), with the work
-items ((row, KV head) pairs) spread over XLA's intra-op thread pool.
-
-It computes the per-row path of jaxkv/attention/xla_ragged.py (the softmax state of decode
-rows: m, l, acc); prefill chunks keep that file's segment path (GEMMs). Pool element types:
-float32, bfloat16, float16, and the one-byte types (int8, float8_e4m3fn, float8_e5m2) with
-their scales.
+batched GEMMs: 7-9 ms per layer for 64 decoding sequences x 256 keys of SmolLM2 where reading
+their K/V costs ~1-2 ms, and 16 ms per layer for six 16-token prompt tails over 1,536 cached
+keys. The kernel tiles as FlashAttention-2 does for variable-length batches (Dao 2023): a work
+item is one KV head of up to 32 / group query rows of one sequence, its keys go by tiles of
+16 (transposed into a buffer, so the score GEMM has keys in the SIMD lanes), with an online
+softmax; every K/V row is read once per item for all its rows and query heads, and items are
+spread over XLA's intra-op thread pool. Semantics are pallas_kernels.reference's (vLLM's
+ragged paged attention), against which it is tested. Pool element types: float32, bfloat16,
+float16, and the one-byte types (int8, float8_e4m3fn, float8_e5m2) with their scales; q and
+the output in float32, bfloat16 or float16.
 
 Build: the source is compiled once per machine with the system's C++ compiler (g++ or $CXX;
 -O3 -march=native, against jaxlib's FFI headers, `jax.ffi.include_dir()`) into
 ~/.cache/jaxkv/kernels (JAXKV_KERNEL_CACHE=<dir> moves it), keyed by the source, jaxlib's
-version, the compiler and the CPU, and loaded with ctypes; about 5 s the first time.
+version, the compiler and the CPU, and loaded with ctypes: about 6 s the first time.
 `load()` returns None and `build_error()` says why when no compiler is there or it fails;
-the engine then uses the xla backend (jaxkv/engine_config.py resolve_backend).
+an engine asked for "auto" then uses the xla backend (jaxkv/engine/setup.py).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TARGET = "jaxkv_paged_decode"
-SOURCE = Path(__file__).with_name("cpu_decode.cc")
+TARGET = "jaxkv_ragged_paged_attention"
+SOURCE = Path(__file__).with_name("cpu_attention.cc")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared", "-w")
 
 _error: str | None = None
@@ -71,7 +72,7 @@ def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, version,
                                     " ".join(FLAGS), _cpu_identity()]).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"cpu_decode-{key}.so"
+    lib = cache_dir() / f"cpu_attention-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvPagedDecode),
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvRaggedPagedAttention),
                                     platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         _error = str(e)
@@ -135,24 +136,31 @@ def _kind(stored, kv_dtype: str | None) -> tuple[int, str | None]:
     raise ValueError(f"cpu attention: unsupported KV cache dtype {name}")
 
 
-def paged_decode(q, k_cache, v_cache, tables, ctx, *, layer: int, k_scale=None, v_scale=None,
-                 kv_dtype: str | None = None):
-    """Softmax state of decode rows over their context, read from the pool in place.
+def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                           num_seqs, *, scale: float, layer: int | None = None, k_scale=None,
+                           v_scale=None, kv_dtype: str | None = None):
+    """Ragged paged attention on the CPU, reading the pool in place.
 
-    q: float32 [P, K, G, D], already multiplied by the softmax scale (K KV heads, G query heads
-    each); k_cache, v_cache: one pool array each [L, num_blocks, block_size, K, D] as stored
-    (jaxkv.attention.kv_pool: float32 / float16, or bfloat16 / float8 bits, or int8) with
-    kv_dtype naming the values' type; k_scale, v_scale: their bfloat16 scales (as uint16 bits)
-    [L, num_blocks, block_size, K] for a one-byte pool, else None; tables: int32 [P, N] block
-    ids (entries past a row's context are never read); ctx: int32 [P] keys of each row (0:
-    the row is skipped); layer: which layer of the pool (static).
+    Arguments, shapes and result as pallas_kernels.reference.ragged_paged_attention_reference:
+    q float32 / bfloat16 / float16 [num_tokens, num_q_heads, head_dim] (head_dim <= 256,
+    at most 32 query heads per KV head); k_cache, v_cache as stored (jaxkv.attention.kv_pool:
+    float32 / float16, bfloat16 / float8 bits, int8), stacked [L, num_blocks, block_size,
+    num_kv_heads, head_dim] with a static `layer`, or one layer's 4-D pool with layer None;
+    kv_dtype names the values' type when the pool holds their bits; k_scale, v_scale: bfloat16
+    scales (or their uint16 bits) [.., num_blocks, block_size, num_kv_heads] of a one-byte
+    pool, else None; int32 block_tables [S, N], seq_lens [S], query_start_loc [S + 1],
+    num_seqs [1]. Returns [num_tokens, num_q_heads, head_dim] in q's dtype, zeros past the
+    last real sequence.
 
-    Returns float32 (m [P, K, G], l [P, K, G], acc [P, K, G, D]): max score, sum of
-    exp(score - m), and the exp-weighted values, as xla_ragged's per-row path; (-inf, 0, 0)
-    for rows with ctx 0. Raises RuntimeError if the kernel is not built (load() is None).
+    Raises RuntimeError if the kernel is not built (load() is None), ValueError for an
+    unsupported pool type; inconsistent metadata (a block id outside the pool, a context
+    longer than its table) fails the call with XLA's error, never reads out of bounds.
     """
     if load() is None:
         raise RuntimeError(f"cpu attention kernel unavailable: {build_error()}")
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])
     kind, name = _kind(k_cache.dtype, kv_dtype)
     if kind == 3:
         lut = jnp.asarray(_lut(name))
@@ -161,19 +169,10 @@ def paged_decode(q, k_cache, v_cache, tables, ctx, *, layer: int, k_scale=None, 
     else:
         lut = jnp.zeros((1,), jnp.float32)
         ks = vs = jnp.zeros((1,), jnp.uint16)
-    p, nk, g, d = q.shape
-    out = (jax.ShapeDtypeStruct((p, nk, g), jnp.float32),
-           jax.ShapeDtypeStruct((p, nk, g), jnp.float32),
-           jax.ShapeDtypeStruct((p, nk, g, d), jnp.float32))
-    call = jax.ffi.ffi_call(TARGET, out)
-    return call(q.astype(jnp.float32), k_cache, v_cache, ks, vs, lut,
-                tables.astype(jnp.int32), ctx.astype(jnp.int32),
-                layer=np.int64(layer), kind=np.int64(kind))
-
-
-def row_kernel(q, pool, layer, tables, ctx):
-    """paged_decode behind xla_ragged_paged_attention's row_kernel hook: pool is its tuple
-    (k_cache, v_cache, k_scale, v_scale, kv_dtype)."""
-    k_cache, v_cache, k_scale, v_scale, kv_dtype = pool
-    return paged_decode(q, k_cache, v_cache, tables, ctx, layer=layer, k_scale=k_scale,
-                        v_scale=v_scale, kv_dtype=kv_dtype)
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        q = q.astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return call(q, k_cache, v_cache, ks, vs, lut, i32(block_tables), i32(seq_lens),
+                i32(query_start_loc), i32(num_seqs), layer=np.int64(layer),
+                kind=np.int64(kind), scale=np.float32(scale))
