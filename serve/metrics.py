@@ -119,6 +119,11 @@ class _EngineCollector:
                               "parallel layout (tensor parallelism, processes)", labels=list(par))
         g.add_metric([str(v) for v in par.values()], 1.0)
         yield g
+        g = GaugeMetricFamily(f"{p}:attention_backend_info", "Information of the engine's "
+                              "attention backend (cpu, xla or pallas)",
+                              labels=["attention_backend"])
+        g.add_metric([s.attention_backend], 1.0)
+        yield g
         if s.kv_offload_host_blocks:  # the KV cache tiers, one series per tier
             yield from _tier_series(p, self.model_name, s)
         for name, field, doc in _GAUGES:

@@ -287,6 +287,25 @@ inline void pv_rows2(float* acc0, float* acc1, float alpha0, float alpha1, const
   }
 }
 
+// Asks the memory system for the K/V rows of the tile starting at t0 (KV heads kh0 ..
+// kh0+nh-1) while the current tile is computed: a decode's blocks are scattered over the
+// pool, and each block start would otherwise stall the hardware prefetcher.
+inline void prefetch_tile(const Args& a, const int32_t* table, int64_t t0, int64_t n_keys,
+                          int64_t layer_slot, int64_t kh0, int64_t nh) {
+  const int64_t elem = a.kind == 0 ? 4 : a.kind == 3 ? 1 : 2;
+  const int64_t bytes = nh * a.head_dim * elem;
+  const int64_t end = std::min<int64_t>(t0 + kKeyTile, n_keys);
+  for (int64_t t = t0; t < end; ++t) {
+    const int64_t slot = layer_slot + static_cast<int64_t>(table[t / a.block_size]) *
+                         a.block_size + t % a.block_size;
+    const int64_t off = (slot * a.kv_heads + kh0) * a.head_dim * elem;
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(static_cast<const char*>(a.k) + off + b);
+      __builtin_prefetch(static_cast<const char*>(a.v) + off + b);
+    }
+  }
+}
+
 // The keys path, for items with few query rows per KV head (decodes): rows row0 ..
 // row0+rows-1 of sequence `seq`, KV heads kh0 .. kh0+nh-1 with their G query heads each;
 // Q-tile row i = ((row * nh) + head) * G + g. Each key row (all nh heads, contiguous in the
@@ -341,6 +360,7 @@ void attend_keys(const Args& a, const Item& it) {
         vrow[j] = vbuf + j * nh * D;
       }
     }
+    prefetch_tile(a, table, t0 + kKeyTile, n_keys, layer_slot, it.kh0, nh);
     for (int64_t j = 0; j < nt; ++j) {
       for (int64_t i = 0; i < nq; ++i) {
         const float* kr = krow[j] + ((i % HG) / G) * D;

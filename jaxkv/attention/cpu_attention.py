@@ -43,6 +43,8 @@ SOURCE = Path(__file__).with_name("cpu_attention.cc")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared", "-w")
 
 _error: str | None = None
+_reused = False
+build_info: dict = {}  # after load(): {"seconds": build or load time, "cached": bool, "path"}
 
 
 def cache_dir() -> Path:
@@ -72,8 +74,10 @@ def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, version,
                                     " ".join(FLAGS), _cpu_identity()]).encode()).hexdigest()[:16]
+    global _reused
     lib = cache_dir() / f"cpu_attention-{key}.so"
-    if lib.exists():
+    _reused = lib.exists()
+    if _reused:
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # renamed in place when done
@@ -99,13 +103,18 @@ def load() -> ctypes.CDLL | None:
     if cxx is None:
         _error = "no C++ compiler found (g++, c++ or $CXX)"
         return None
+    import time
+    start = time.perf_counter()
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+        path = _build(cxx)
+        build_info.update(cached=_reused, path=str(path))
+        lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvRaggedPagedAttention),
                                     platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         _error = str(e)
         return None
+    build_info["seconds"] = time.perf_counter() - start
     return lib
 
 

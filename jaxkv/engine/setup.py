@@ -53,6 +53,13 @@ def attention_backend(config, mesh, asked: str) -> str:
             why = (f"attention_backend cpu: its kernel cannot be built: "
                    f"{cpu_attention.build_error()}")
     if why is None:
+        if backend == "cpu":
+            from jaxkv.attention import cpu_attention
+            info = cpu_attention.build_info
+            logger.info("attention backend: cpu (C++ ragged paged attention, %s in %.1f s)",
+                        "loaded" if info.get("cached") else "compiled", info.get("seconds", 0.0))
+        else:
+            logger.info("attention backend: %s", backend)
         return backend
     if asked == "auto" and backend == "cpu":
         logger.warning("%s; using the xla attention backend", why)

@@ -21,6 +21,7 @@ class EngineStats:
     num_waiting: int
     tensor_parallel_size: int = 1                 # devices the step is split over
     num_processes: int = 1                        # processes holding them (multi-process)
+    attention_backend: str = ""                   # "cpu" | "xla" | "pallas", as resolved
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step
     compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
     # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests
