@@ -91,9 +91,9 @@ class EngineArgs:
                                         "is refused)")
     enforce_eager: bool = _arg(False, "run without jit (debugging; very slow)")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
-    attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (xla's path with "
-                                  "a C++ decode kernel built on first use; xla when it cannot "
-                                  "be built), xla elsewhere",
+    attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (ragged paged "
+                                  "attention in C++, built on first use with g++; xla, pure "
+                                  "JAX, when it cannot be built), xla on other platforms",
                                   choices=ATTENTION_BACKENDS)
     max_logprobs: int = _arg(20, "most logprobs a request may ask for")
     seed: int = _arg(0, "engine seed: unseeded requests draw their seeds from it")

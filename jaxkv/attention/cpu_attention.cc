@@ -39,7 +39,8 @@ namespace {
 constexpr int kKeyTile = 16;      // keys per tile (SIMD lanes of S)
 constexpr int kMaxQRows = 32;     // query rows x query heads of one item
 constexpr int kMaxHeadDim = 256;
-constexpr int kRowsPathMin = 8;   // query rows x heads of one KV head from which the rows path
+constexpr int kRowsPathMin = 8;   // query rows x heads of one KV head from which an item
+                                  // takes the rows path (fewer: the keys path)
 
 // Whether no key of the tile starting at t0 is visible to a row that sees keys below lim.
 inline bool kpos_visible_none(int64_t t0, float lim) { return static_cast<float>(t0) >= lim; }
@@ -152,13 +153,13 @@ inline void load_kv(const Args& a, const void* cache, const uint16_t* scales, in
   }
 }
 
-// Per-thread buffers of the items (sized for the largest; a few hundred KB).
+// Per-thread buffers of the items, sized for the largest (about 1 MB per thread).
 struct Scratch {
-  std::vector<float> q, acc, kt, vt, s, row;
+  std::vector<float> q, acc, kt, vt, s;
   Scratch()
       : q(kMaxQRows * kMaxHeadDim), acc(kMaxQRows * kMaxHeadDim),
         kt(kMaxQRows * kMaxHeadDim * kKeyTile), vt(kKeyTile * kMaxQRows * kMaxHeadDim),
-        s(kMaxQRows * kKeyTile), row(kMaxQRows * kMaxHeadDim) {}
+        s(kMaxQRows * kKeyTile) {}
 };
 
 Scratch& scratch() {
@@ -558,6 +559,19 @@ void run_items(Work& w) {
   if (finished) w.done.fetch_add(finished, std::memory_order_acq_rel);
 }
 
+// Whether a pool array of this element type holds what `kind` says it does.
+bool pool_type_ok(ffi::DataType t, int64_t kind) {
+  switch (kind) {
+    case 0: return t == ffi::DataType::F32;
+    case 1: return t == ffi::DataType::BF16 || t == ffi::DataType::U16;
+    case 2: return t == ffi::DataType::F16;
+    case 3:
+      return t == ffi::DataType::S8 || t == ffi::DataType::U8 ||
+             t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
+    default: return false;
+  }
+}
+
 int64_t elem_kind(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F32: return 0;
@@ -605,8 +619,19 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return ffi::Error::InvalidArgument("cpu attention: q's heads or head_dim do not fit the pool");
   a.group = H / a.kv_heads;
   if (a.group > kMaxQRows || layer < 0 || layer >= kd[0] || seq_lens.element_count() < S ||
-      qsl.element_count() < S + 1)
+      qsl.element_count() < S + 1 || num_seqs.element_count() < 1)
     return ffi::Error::InvalidArgument("cpu attention: group, layer or metadata out of range");
+  auto vd = v.dimensions();
+  bool same = vd.size() == kd.size() && v.element_type() == k.element_type();
+  for (size_t i = 0; same && i < kd.size(); ++i) same = vd[i] == kd[i];
+  if (!same || !pool_type_ok(k.element_type(), kind))
+    return ffi::Error::InvalidArgument("cpu attention: k and v pools differ, or their type is "
+                                       "not the kind's");
+  const int64_t scales = kd[0] * kd[1] * kd[2] * kd[3];
+  if (kind == 3 && (k_scale.element_count() != scales || v_scale.element_count() != scales ||
+                    lut.element_count() < 256))
+    return ffi::Error::InvalidArgument("cpu attention: a one-byte pool needs [L, blocks, "
+                                       "block_size, kv_heads] scales and a 256-entry table");
 
   auto work = std::make_shared<Work>();
   work->args = a;
@@ -614,12 +639,17 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   // kMaxQRows / G for one KV head each, or, for a sequence with fewer rows (a decode), all of
   // them with as many KV heads as fit (a block's rows of those heads are contiguous).
   const int64_t rows_per_item = std::max<int64_t>(1, kMaxQRows / a.group);
-  const int64_t n_seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, S);
+  const int64_t n_seqs = num_seqs.typed_data()[0];
+  if (n_seqs < 0 || n_seqs > S || a.qsl[0] != 0)
+    return ffi::Error::InvalidArgument("cpu attention: num_seqs out of range, or "
+                                       "query_start_loc[0] is not 0");
   int64_t real_rows = 0;
   for (int64_t s = 0; s < n_seqs; ++s) {
-    const int64_t begin = a.qsl[s], end = std::min<int64_t>(a.qsl[s + 1], T);
-    if (begin < 0 || end < begin || a.seq_lens[s] < end - begin)
+    const int64_t begin = a.qsl[s], end = a.qsl[s + 1];
+    if (end < begin || end > T || a.seq_lens[s] < end - begin)
       return ffi::Error::InvalidArgument("cpu attention: inconsistent query_start_loc / seq_lens");
+    real_rows = end;
+    if (end == begin) continue;  // a sequence with no query rows this step
     const int64_t used = (a.seq_lens[s] + a.block_size - 1) / a.block_size;
     if (used > a.table_cols)
       return ffi::Error::InvalidArgument("cpu attention: a context is longer than its table");
@@ -638,7 +668,6 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                static_cast<int32_t>(std::min(rows_per_item, end - r)),
                                static_cast<int32_t>(kh),
                                static_cast<int32_t>(std::min(nh, a.kv_heads - kh))});
-    real_rows = std::max(real_rows, end);
   }
   // Rows past the last real sequence are zeros.
   const int64_t elem = a.q_kind == 0 ? 4 : 2;

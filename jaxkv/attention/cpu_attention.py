@@ -17,9 +17,10 @@ the output in float32, bfloat16 or float16.
 Build: the source is compiled once per machine with the system's C++ compiler (g++ or $CXX;
 -O3 -march=native, against jaxlib's FFI headers, `jax.ffi.include_dir()`) into
 ~/.cache/jaxkv/kernels (JAXKV_KERNEL_CACHE=<dir> moves it), keyed by the source, jaxlib's
-version, the compiler and the CPU, and loaded with ctypes: about 6 s the first time.
-`load()` returns None and `build_error()` says why when no compiler is there or it fails;
-an engine asked for "auto" then uses the xla backend (jaxkv/engine/setup.py).
+version, the compiler and the CPU, and loaded with ctypes: about 8 s the first time.
+`load()` returns None and `build_error()` says why when no compiler is there, it fails, or
+the cache folder cannot be written; an engine asked for "auto" then uses the xla backend
+(jaxkv/engine/setup.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -63,30 +65,46 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+def _compiler() -> list[str] | None:
+    """The C++ compiler's command: $CXX (split as a shell would: "ccache g++"), or g++, or
+    c++ on PATH; None when there is none."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    found = shutil.which("g++") or shutil.which("c++")
+    return [found] if found else None
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: list[str]) -> Path:
     """Compile SOURCE (or reuse a build with the same key); returns the library's path.
     Raises RuntimeError with the compiler's message."""
     import jaxlib
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    try:
+        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError as e:
+        raise RuntimeError(f"cannot run {' '.join(cxx)}: {e}") from e
     key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, version,
                                     " ".join(FLAGS), _cpu_identity()]).encode()).hexdigest()[:16]
     global _reused
-    lib = cache_dir() / f"cpu_attention-{key}.so"
-    _reused = lib.exists()
-    if _reused:
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # renamed in place when done
+    name = f"cpu_attention-{key}.so"
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / "jaxkv-kernels"):
+        lib = folder / name
+        _reused = lib.exists()
+        if _reused:
+            return lib
+        try:  # an unwritable cache folder: build in the temporary folder instead
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # renamed when done
+            break
+        except OSError:
+            if folder != cache_dir():
+                raise
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    cmd = [*cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"{Path(cxx).name} failed: {res.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{' '.join(cxx)} failed (exit status {res.returncode}): "
+                               f"{res.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -157,13 +175,15 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     num_kv_heads, head_dim] with a static `layer`, or one layer's 4-D pool with layer None;
     kv_dtype names the values' type when the pool holds their bits; k_scale, v_scale: bfloat16
     scales (or their uint16 bits) [.., num_blocks, block_size, num_kv_heads] of a one-byte
-    pool, else None; int32 block_tables [S, N], seq_lens [S], query_start_loc [S + 1],
-    num_seqs [1]. Returns [num_tokens, num_q_heads, head_dim] in q's dtype, zeros past the
-    last real sequence.
+    pool, else None; int32 block_tables [S, N], seq_lens [S], query_start_loc [S + 1]
+    (starting at 0), num_seqs [1]. Returns [num_tokens, num_q_heads, head_dim] in q's dtype
+    (float32 for a q of any other type), zeros past the last real sequence.
 
     Raises RuntimeError if the kernel is not built (load() is None), ValueError for an
-    unsupported pool type; inconsistent metadata (a block id outside the pool, a context
-    longer than its table) fails the call with XLA's error, never reads out of bounds.
+    unsupported pool type; inconsistent arguments (a block id outside the pool, a context
+    longer than its table, query_start_loc past num_tokens or decreasing, pools or scales of
+    the wrong shape) fail the call with an XLA error naming "cpu attention", never a read
+    out of bounds.
     """
     if load() is None:
         raise RuntimeError(f"cpu attention kernel unavailable: {build_error()}")

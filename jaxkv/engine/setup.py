@@ -35,7 +35,7 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def attention_backend(config, mesh, asked: str) -> str:
+def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
     """The resolved backend, checked against what this machine and mesh allow: a kernel run
     per device (pallas, cpu) needs the KV heads split over a tensor-parallel mesh; the cpu
     kernel needs a C++ compiler. When the backend came from "auto", "cpu" falls back to "xla"
@@ -43,7 +43,9 @@ def attention_backend(config, mesh, asked: str) -> str:
     from jaxkv.models.sharding import kv_heads_split
     backend, mc = config.runner.attention_backend, config.model_config
     why = None
-    if backend in ("pallas", "cpu") and mesh is not None and not kv_heads_split(mc, mesh):
+    if backend == "cpu" and platform != "cpu":
+        why = f"attention_backend cpu runs on a CPU only, not on {platform} (use pallas or xla)"
+    elif backend in ("pallas", "cpu") and mesh is not None and not kv_heads_split(mc, mesh):
         why = (f"attention_backend {backend} with tensor_parallel_size "
                f"{config.runner.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
                "split over the devices, not replicated (use the xla backend)")
@@ -131,7 +133,8 @@ def build_engine(cls, args):
         from jaxkv.models.sharding import make_mesh
         mesh = make_mesh(config.runner.tensor_parallel_size)
     config = dataclasses.replace(config, runner=dataclasses.replace(
-        config.runner, attention_backend=attention_backend(config, mesh, args.attention_backend)))
+        config.runner,
+        attention_backend=attention_backend(config, mesh, args.attention_backend, platform)))
     if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
         config = multiprocess.share_config(dataclasses.replace(
             config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count())))

@@ -105,20 +105,48 @@ def test_long_contexts_and_many_rows(ctx, qlen):
     assert np.max(np.abs(out - ref)) < 1e-5 * np.max(np.abs(ref))
 
 
-@pytest.mark.parametrize("what", ["block id", "short table", "qsl"])
-def test_bad_metadata_is_an_error(what):
-    pool = written_pool("float32")
+def test_sequences_without_query_rows():
+    """A sequence inside num_seqs that has no query rows this step (and one of length 0) is
+    skipped, as the oracle does."""
+    pool = written_pool("float32", seed=7)
+    args, t = step(np.random.default_rng(8), [30, 50, 16, 1], [1, 0, 3, 0], group=3)
+    q, tables, seq_lens, qsl, n = args
+    seq_lens = seq_lens.at[3].set(0)
+    out = np.asarray(ATTEND(q, pool.k, pool.v, tables, seq_lens, qsl, n, scale=0.125, layer=1))
+    ref = np.asarray(ORACLE(q, pool.k, pool.v, tables, seq_lens, qsl, n, scale=0.125, layer=1))
+    assert np.max(np.abs(out - ref)) < 1e-5 * np.max(np.abs(ref)) and np.all(out[t:] == 0)
+
+
+@pytest.mark.parametrize("what", ["block id", "short table", "qsl decreasing", "qsl past rows",
+                                  "qsl start", "num_seqs", "v pool", "pool type", "scales"])
+def test_bad_arguments_are_an_error(what):
+    """What the engine never sends, the kernel refuses rather than reading out of bounds."""
+    pool = written_pool("int8" if what == "scales" else "float32")
     args, _ = step(np.random.default_rng(6), [40, 20], [1, 20], group=1)
     q, tables, seq_lens, qsl, n = args
+    k, v, kw = pool.k, pool.v, dict(k_scale=pool.k_scale, v_scale=pool.v_scale,
+                                    kv_dtype=pool.dtype)
     if what == "block id":
         tables = tables.at[0, 1].set(BLOCKS)
     elif what == "short table":
         seq_lens = seq_lens.at[0].set(BS * tables.shape[1] + 1)
-    else:
+    elif what == "qsl decreasing":
         qsl = qsl.at[2].set(qsl[1] + seq_lens[1] + 1)
+    elif what == "qsl past rows":
+        qsl = qsl.at[2:].set(q.shape[0] + 1)
+    elif what == "qsl start":
+        qsl = qsl.at[0].set(1)
+    elif what == "num_seqs":
+        n = jnp.array([tables.shape[0] + 1], jnp.int32)
+    elif what == "v pool":
+        v = v[:, :BLOCKS // 2]
+    elif what == "pool type":  # bfloat16 bits read as if they were float32 values
+        k, v = (jax.lax.bitcast_convert_type(x, jnp.uint16)[..., 0] for x in (k, v))
+    else:
+        kw.update(k_scale=pool.k_scale[:, :BLOCKS // 2])
     with pytest.raises(Exception, match="cpu attention"):
-        jax.block_until_ready(ATTEND(q, pool.k, pool.v, tables, seq_lens, qsl, n, scale=1.0,
-                                     layer=1))
+        jax.block_until_ready(ATTEND(q, k, v, tables, seq_lens, qsl, n, scale=1.0, layer=1,
+                                     **kw))
 
 
 def test_backend_is_registered_and_bad_names_refused():
@@ -144,6 +172,36 @@ def test_build_is_cached_and_failure_is_reported(tmp_path, monkeypatch):
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(cpu_attention, "SOURCE", bad)
-    with pytest.raises(RuntimeError, match="failed"):
+    with pytest.raises(RuntimeError, match=r"failed \(exit status 1\): .*bad.cc"):
         cpu_attention._build(cxx)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "bad.cc"])
+
+
+def test_compiler_command(monkeypatch):
+    monkeypatch.setenv("CXX", "ccache g++ -Wno-foo")
+    assert cpu_attention._compiler() == ["ccache", "g++", "-Wno-foo"]
+    monkeypatch.delenv("CXX")
+    assert cpu_attention._compiler()[0].endswith(("g++", "c++"))
+
+
+def test_engine_refuses_cpu_backend_where_it_cannot_run(monkeypatch, caplog):
+    """Explicit "cpu" off a CPU, or with replicated KV heads under tensor parallelism, is a
+    ValueError; "auto" falls back to xla with a warning when the kernel cannot be built."""
+    from types import SimpleNamespace
+
+    from jaxkv.engine.setup import attention_backend
+    cfg = SimpleNamespace(runner=SimpleNamespace(attention_backend="cpu", tensor_parallel_size=4),
+                          model_config=SimpleNamespace(num_kv_heads=3))
+    with pytest.raises(ValueError, match="CPU only, not on gpu"):
+        attention_backend(cfg, None, "cpu", "gpu")
+    mesh = SimpleNamespace(size=4)
+    with pytest.raises(ValueError, match=r"KV heads \(3\)"):
+        attention_backend(cfg, mesh, "cpu", "cpu")
+    assert attention_backend(cfg, mesh, "auto", "cpu") == "xla"
+    monkeypatch.setattr(cpu_attention, "load", lambda: None)
+    monkeypatch.setattr(cpu_attention, "_error", "no C++ compiler found")
+    with pytest.raises(ValueError, match="cannot be built: no C\\+\\+ compiler"):
+        attention_backend(cfg, None, "cpu", "cpu")
+    with caplog.at_level("WARNING", logger="jaxkv"):
+        assert attention_backend(cfg, None, "auto", "cpu") == "xla"
+    assert "using the xla attention backend" in caplog.text
