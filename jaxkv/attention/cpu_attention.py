@@ -103,8 +103,9 @@ def _build(cxx: list[str]) -> Path:
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cxx)} failed (exit status {res.returncode}): "
-                               f"{res.stderr.strip()[-2000:]}")
+            said = res.stderr.strip()[-2000:]
+            raise RuntimeError(f"{' '.join(cxx)} failed (exit status {res.returncode})"
+                               + (f": {said}" if said else ""))
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):

@@ -65,6 +65,7 @@ def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
         return backend
     if asked == "auto" and backend == "cpu":
         logger.warning("%s; using the xla attention backend", why)
+        logger.info("attention backend: xla")
         return "xla"
     raise ValueError(why)
 
