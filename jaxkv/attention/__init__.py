@@ -152,10 +152,8 @@ def get_attention(backend: str, mesh=None) -> Attention:
     the XLA path is partitioned by XLA from the shardings of its operands."""
     if backend not in _BACKENDS:
         raise ValueError(f"attention backend must be 'cpu', 'xla' or 'pallas', got {backend!r}")
-    if backend == "cpu":
-        if cpu_attention.load() is None:
-            raise ValueError(f"attention_backend cpu: its kernel cannot be built: "
-                             f"{cpu_attention.build_error()}")
+    if backend == "cpu" and (why := cpu_attention.unavailable()):
+        raise ValueError(why)
     if mesh is not None and backend in ("pallas", "cpu"):
         return per_shard(_BACKENDS[backend], mesh)
     return _BACKENDS[backend]

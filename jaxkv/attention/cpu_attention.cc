@@ -199,7 +199,9 @@ inline v16 exp_nonpositive16(v16 x) {
   p = p * f + 6.93147181e-1f;
   p = p * f + 1.0f;
   const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  return p * reinterpret_cast<const v16&>(e);
+  v16 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
 }
 
 // Online-softmax update of a Q-tile row from its tile scores si[0 .. vis-1] (the rest of the
@@ -288,18 +290,70 @@ inline void pv_rows2(float* acc0, float* acc1, float alpha0, float alpha1, const
   }
 }
 
+// Where an item reads: its sequence's block table, the layer's first pool slot, the absolute
+// position of its first query row, and how many keys its last row sees (keys 0 .. n_keys-1).
+struct Span {
+  const int32_t* table;
+  int64_t layer_slot, first_pos, n_keys;
+};
+
+inline Span span_of(const Args& a, const Item& it) {
+  const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
+  const int64_t first_pos = a.seq_lens[it.seq] - q_len + (it.row0 - a.qsl[it.seq]);
+  return {a.tables + static_cast<int64_t>(it.seq) * a.table_cols,
+          a.layer * a.num_blocks * a.block_size, first_pos, first_pos + it.rows};
+}
+
+// The pool slot (layer included) holding key t of the item's sequence.
+inline int64_t slot_of(const Args& a, const Span& sp, int64_t t) {
+  return sp.layer_slot + static_cast<int64_t>(sp.table[t / a.block_size]) * a.block_size +
+         t % a.block_size;
+}
+
+// The K and V rows of keys t0 .. t0+nt-1 for KV heads kh0 .. kh0+nh-1: pointers into a
+// float32 pool, or rows converted into kbuf / vbuf ([kKeyTile][nh * D]) for other types.
+inline void tile_rows(const Args& a, const Span& sp, int64_t t0, int64_t nt, int64_t kh0,
+                      int64_t nh, float* kbuf, float* vbuf, const float** krow,
+                      const float** vrow) {
+  const int64_t n = nh * a.head_dim;
+  for (int64_t j = 0; j < nt; ++j) {
+    const int64_t slot = slot_of(a, sp, t0 + j);
+    if (a.kind == 0) {
+      const int64_t off = (slot * a.kv_heads + kh0) * a.head_dim;
+      krow[j] = static_cast<const float*>(a.k) + off;
+      vrow[j] = static_cast<const float*>(a.v) + off;
+    } else {
+      load_kv(a, a.k, a.k_scale, slot, kh0, nh, kbuf + j * n);
+      load_kv(a, a.v, a.v_scale, slot, kh0, nh, vbuf + j * n);
+      krow[j] = kbuf + j * n;
+      vrow[j] = vbuf + j * n;
+    }
+  }
+}
+
+// Writes Q-tile rows i < nq (query row i / (nh * G), head i % (nh * G) of the item's first)
+// as acc / l, in q's type.
+inline void store_out(const Args& a, const Item& it, const float* acc, const float* l,
+                      int64_t nq) {
+  const int64_t D = a.head_dim, HG = it.nh * a.group, H = a.kv_heads * a.group;
+  float out_row[kMaxHeadDim];
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t r = it.row0 + i / HG, h = it.kh0 * a.group + i % HG;
+    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out_row[d] = acc[i * D + d] * inv;
+    store_row(a.out, (r * H + h) * D, out_row, D, a.q_kind);
+  }
+}
+
 // Asks the memory system for the K/V rows of the tile starting at t0 (KV heads kh0 ..
 // kh0+nh-1) while the current tile is computed: a decode's blocks are scattered over the
 // pool, and each block start would otherwise stall the hardware prefetcher.
-inline void prefetch_tile(const Args& a, const int32_t* table, int64_t t0, int64_t n_keys,
-                          int64_t layer_slot, int64_t kh0, int64_t nh) {
+inline void prefetch_tile(const Args& a, const Span& sp, int64_t t0, int64_t kh0, int64_t nh) {
   const int64_t elem = a.kind == 0 ? 4 : a.kind == 3 ? 1 : 2;
   const int64_t bytes = nh * a.head_dim * elem;
-  const int64_t end = std::min<int64_t>(t0 + kKeyTile, n_keys);
+  const int64_t end = std::min<int64_t>(t0 + kKeyTile, sp.n_keys);
   for (int64_t t = t0; t < end; ++t) {
-    const int64_t slot = layer_slot + static_cast<int64_t>(table[t / a.block_size]) *
-                         a.block_size + t % a.block_size;
-    const int64_t off = (slot * a.kv_heads + kh0) * a.head_dim * elem;
+    const int64_t off = (slot_of(a, sp, t) * a.kv_heads + kh0) * a.head_dim * elem;
     for (int64_t b = 0; b < bytes; b += 64) {
       __builtin_prefetch(static_cast<const char*>(a.k) + off + b);
       __builtin_prefetch(static_cast<const char*>(a.v) + off + b);
@@ -317,11 +371,7 @@ void attend_keys(const Args& a, const Item& it) {
   const int64_t D = D_STATIC > 0 ? D_STATIC : a.head_dim;
   const int64_t G = a.group, H = a.kv_heads * G, nh = it.nh, HG = nh * G;
   const int64_t nq = it.rows * HG;
-  const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
-  const int64_t first_pos = a.seq_lens[it.seq] - q_len + (it.row0 - a.qsl[it.seq]);
-  const int64_t n_keys = first_pos + it.rows;  // the last row sees keys 0 .. n_keys-1
-  const int32_t* table = a.tables + static_cast<int64_t>(it.seq) * a.table_cols;
-  const int64_t layer_slot = a.layer * a.num_blocks * a.block_size;
+  const Span sp = span_of(a, it);
 
   Scratch& sc = scratch();
   float* q = sc.q.data();      // [nq][D]
@@ -338,30 +388,16 @@ void attend_keys(const Args& a, const Item& it) {
     const int64_t r = it.row0 + i / HG, h = it.kh0 * G + i % HG;
     for (int64_t d = 0; d < D; ++d)
       q[i * D + d] = load_scalar(a.q, (r * H + h) * D + d, a.q_kind) * a.scale;
-    limit[i] = first_pos + i / HG + 1;
+    limit[i] = sp.first_pos + i / HG + 1;
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
   std::fill(acc, acc + nq * D, 0.0f);
 
-  for (int64_t t0 = 0; t0 < n_keys; t0 += kKeyTile) {
-    const int64_t nt = std::min<int64_t>(kKeyTile, n_keys - t0);
-    for (int64_t j = 0; j < nt; ++j) {
-      const int64_t t = t0 + j;
-      const int64_t slot = layer_slot + static_cast<int64_t>(table[t / a.block_size]) *
-                           a.block_size + t % a.block_size;
-      if (a.kind == 0) {
-        const int64_t off = (slot * a.kv_heads + it.kh0) * D;
-        krow[j] = static_cast<const float*>(a.k) + off;
-        vrow[j] = static_cast<const float*>(a.v) + off;
-      } else {
-        load_kv(a, a.k, a.k_scale, slot, it.kh0, nh, kbuf + j * nh * D);
-        load_kv(a, a.v, a.v_scale, slot, it.kh0, nh, vbuf + j * nh * D);
-        krow[j] = kbuf + j * nh * D;
-        vrow[j] = vbuf + j * nh * D;
-      }
-    }
-    prefetch_tile(a, table, t0 + kKeyTile, n_keys, layer_slot, it.kh0, nh);
+  for (int64_t t0 = 0; t0 < sp.n_keys; t0 += kKeyTile) {
+    const int64_t nt = std::min<int64_t>(kKeyTile, sp.n_keys - t0);
+    tile_rows(a, sp, t0, nt, it.kh0, nh, kbuf, vbuf, krow, vrow);
+    prefetch_tile(a, sp, t0 + kKeyTile, it.kh0, nh);
     for (int64_t j = 0; j < nt; ++j) {
       for (int64_t i = 0; i < nq; ++i) {
         const float* kr = krow[j] + ((i % HG) / G) * D;
@@ -378,13 +414,7 @@ void attend_keys(const Args& a, const Item& it) {
       pv_row<D_STATIC>(acc + i * D, alpha, si, 1, vrow, ((i % HG) / G) * D, nt, D);
     }
   }
-  float out_row[kMaxHeadDim];
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t r = it.row0 + i / HG, h = it.kh0 * G + i % HG;
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out_row[d] = acc[i * D + d] * inv;
-    store_row(a.out, (r * H + h) * D, out_row, D, a.q_kind);
-  }
+  store_out(a, it, acc, l, nq);
 }
 
 // The rows path, for items with many query rows of one KV head (prefill chunks, prompt
@@ -398,11 +428,7 @@ void attend_rows(const Args& a, const Item& it) {
   const int64_t D = D_STATIC > 0 ? D_STATIC : a.head_dim;
   const int64_t G = a.group, H = a.kv_heads * G;
   const int64_t nq = it.rows * G;
-  const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
-  const int64_t first_pos = a.seq_lens[it.seq] - q_len + (it.row0 - a.qsl[it.seq]);
-  const int64_t n_keys = first_pos + it.rows;
-  const int32_t* table = a.tables + static_cast<int64_t>(it.seq) * a.table_cols;
-  const int64_t layer_slot = a.layer * a.num_blocks * a.block_size;
+  const Span sp = span_of(a, it);
 
   Scratch& sc = scratch();
   float* qt = sc.q.data();     // [D][R]
@@ -418,7 +444,7 @@ void attend_rows(const Args& a, const Item& it) {
   for (int64_t i = 0; i < R; ++i) {
     m[i] = -INFINITY;
     l[i] = 0.0f;
-    lim[i] = i < nq ? static_cast<float>(first_pos + i / G + 1) : 0.0f;  // exact below 2^24
+    lim[i] = i < nq ? static_cast<float>(sp.first_pos + i / G + 1) : 0.0f;  // exact < 2^24
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t r = it.row0 + i / G, h = it.kh0 * G + i % G;
@@ -427,23 +453,9 @@ void attend_rows(const Args& a, const Item& it) {
   }
   std::fill(acc, acc + R * D, 0.0f);
 
-  for (int64_t t0 = 0; t0 < n_keys; t0 += kKeyTile) {
-    const int64_t nt = std::min<int64_t>(kKeyTile, n_keys - t0);
-    for (int64_t j = 0; j < nt; ++j) {
-      const int64_t t = t0 + j;
-      const int64_t slot = layer_slot + static_cast<int64_t>(table[t / a.block_size]) *
-                           a.block_size + t % a.block_size;
-      if (a.kind == 0) {
-        const int64_t off = (slot * a.kv_heads + it.kh0) * D;
-        krow[j] = static_cast<const float*>(a.k) + off;
-        vrow[j] = static_cast<const float*>(a.v) + off;
-      } else {
-        load_kv(a, a.k, a.k_scale, slot, it.kh0, 1, kbuf + j * D);
-        load_kv(a, a.v, a.v_scale, slot, it.kh0, 1, vbuf + j * D);
-        krow[j] = kbuf + j * D;
-        vrow[j] = vbuf + j * D;
-      }
-    }
+  for (int64_t t0 = 0; t0 < sp.n_keys; t0 += kKeyTile) {
+    const int64_t nt = std::min<int64_t>(kKeyTile, sp.n_keys - t0);
+    tile_rows(a, sp, t0, nt, it.kh0, 1, kbuf, vbuf, krow, vrow);
     // S^T = K Q^T: a key's d-th value broadcast against the rows' d-th query values, four
     // keys at a time (eight independent accumulators).
     int64_t j = 0;
@@ -521,13 +533,7 @@ void attend_rows(const Args& a, const Item& it) {
     if (i < nq && !kpos_visible_none(t0, lim[i]))
       pv_row<D_STATIC>(acc + i * D, alpha[i], st + i, R, vrow, 0, nt, D);
   }
-  float out_row[kMaxHeadDim];
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t r = it.row0 + i / G, h = it.kh0 * G + i % G;
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out_row[d] = acc[i * D + d] * inv;
-    store_row(a.out, (r * H + h) * D, out_row, D, a.q_kind);
-  }
+  store_out(a, it, acc, l, nq);
 }
 
 template <int D_STATIC>

@@ -34,6 +34,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -45,7 +46,6 @@ SOURCE = Path(__file__).with_name("cpu_attention.cc")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared", "-w")
 
 _error: str | None = None
-_reused = False
 build_info: dict = {}  # after load(): {"seconds": build or load time, "cached": bool, "path"}
 
 
@@ -84,12 +84,11 @@ def _build(cxx: list[str]) -> Path:
         raise RuntimeError(f"cannot run {' '.join(cxx)}: {e}") from e
     key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, version,
                                     " ".join(FLAGS), _cpu_identity()]).encode()).hexdigest()[:16]
-    global _reused
     name = f"cpu_attention-{key}.so"
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / "jaxkv-kernels"):
         lib = folder / name
-        _reused = lib.exists()
-        if _reused:
+        build_info.update(cached=lib.exists(), path=str(lib))
+        if lib.exists():
             return lib
         try:  # an unwritable cache folder: build in the temporary folder instead
             lib.parent.mkdir(parents=True, exist_ok=True)
@@ -122,12 +121,9 @@ def load() -> ctypes.CDLL | None:
     if cxx is None:
         _error = "no C++ compiler found (g++, c++ or $CXX)"
         return None
-    import time
     start = time.perf_counter()
     try:
-        path = _build(cxx)
-        build_info.update(cached=_reused, path=str(path))
-        lib = ctypes.cdll.LoadLibrary(str(path))
+        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvRaggedPagedAttention),
                                     platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
@@ -135,6 +131,14 @@ def load() -> ctypes.CDLL | None:
         return None
     build_info["seconds"] = time.perf_counter() - start
     return lib
+
+
+def unavailable() -> str | None:
+    """Why the "cpu" attention backend cannot run here (its kernel could not be built or
+    loaded), as one line naming the argument; None when it can."""
+    if load() is not None:
+        return None
+    return f"attention_backend cpu: its kernel cannot be built: {build_error()}"
 
 
 def build_error() -> str | None:

@@ -40,6 +40,7 @@ def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
     per device (pallas, cpu) needs the KV heads split over a tensor-parallel mesh; the cpu
     kernel needs a C++ compiler. When the backend came from "auto", "cpu" falls back to "xla"
     (with a log line) instead of failing; otherwise a ValueError says why."""
+    from jaxkv.attention import cpu_attention
     from jaxkv.models.sharding import kv_heads_split
     backend, mc = config.runner.attention_backend, config.model_config
     why = None
@@ -50,13 +51,9 @@ def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
                f"{config.runner.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
                "split over the devices, not replicated (use the xla backend)")
     elif backend == "cpu":
-        from jaxkv.attention import cpu_attention
-        if cpu_attention.load() is None:
-            why = (f"attention_backend cpu: its kernel cannot be built: "
-                   f"{cpu_attention.build_error()}")
+        why = cpu_attention.unavailable()
     if why is None:
         if backend == "cpu":
-            from jaxkv.attention import cpu_attention
             info = cpu_attention.build_info
             logger.info("attention backend: cpu (C++ ragged paged attention, %s in %.1f s)",
                         "loaded" if info.get("cached") else "compiled", info.get("seconds", 0.0))
