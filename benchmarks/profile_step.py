@@ -10,7 +10,8 @@ shape, and these are timed (median of --reps calls after a warmup call):
   step        runner.forward: the jitted step (matmuls, K/V write, attention, norms, RoPE)
   sample      runner.execute - forward - build_inputs: the sampled rows' logits, sampling and
               the transfer of the tokens back
-  matmuls     every layer's 7 weight matmuls at the step's T rows (jitted alone)
+  matmuls     every layer's 7 weight matmuls at the step's T rows (jitted alone), as the
+              model runs them: the cpu backend's C++ kernel for T <= 8, else XLA dots
   attention   one layer's attention at the step's shape (prepare once + attend), x num_layers
   gather      copying one layer's K and V blocks of the step's sequences (the floor of an
               attention that gathers before it computes, as XLA does)
@@ -74,17 +75,20 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     rng = np.random.default_rng(seed)
     h = jnp.asarray(rng.standard_normal((t, c.hidden_size)), jnp.float32)
 
+    from jaxkv.models import cpu_linear
+    kernel = runner.model.cpu_matmul and t <= cpu_linear.MAX_ROWS
+
+    def mm_group(x, *ws):  # as the model runs them (llama.matmul): one kernel call, or dots
+        return cpu_linear.matmul(x, *ws) if kernel else [x @ w for w in ws]
+
     def matmuls(params, h):
         acc = 0.0
         for i in range(c.num_layers):
-            lp = params[f"layers_{i}"]
-            q = h @ lp["q_proj"]["kernel"]
-            k = h @ lp["k_proj"]["kernel"]
-            v = h @ lp["v_proj"]["kernel"]
-            o = q @ lp["o_proj"]["kernel"]
-            g = h @ lp["gate_proj"]["kernel"]
-            u = h @ lp["up_proj"]["kernel"]
-            d = (g * u) @ lp["down_proj"]["kernel"]
+            lp = {k: v["kernel"] for k, v in params[f"layers_{i}"].items() if "kernel" in v}
+            q, k, v = mm_group(h, lp["q_proj"], lp["k_proj"], lp["v_proj"])
+            (o,) = mm_group(q, lp["o_proj"])
+            g, u = mm_group(h, lp["gate_proj"], lp["up_proj"])
+            (d,) = mm_group(g * u, lp["down_proj"])
             acc = acc + o.sum() + d.sum() + k.sum() + v.sum()
         return acc
     mm = jax.jit(matmuls)

@@ -120,9 +120,11 @@ class _EngineCollector:
         g.add_metric([str(v) for v in par.values()], 1.0)
         yield g
         g = GaugeMetricFamily(f"{p}:attention_backend_info", "Information of the engine's "
-                              "attention backend (cpu, xla or pallas)",
-                              labels=["attention_backend"])
-        g.add_metric([s.attention_backend], 1.0)
+                              "attention backend (cpu, xla or pallas) and of the steps whose "
+                              "matmuls run through the cpu backend's C++ kernel (at most "
+                              "cpu_matmul_max_rows rows; 0: none)",
+                              labels=["attention_backend", "cpu_matmul_max_rows"])
+        g.add_metric([s.attention_backend, str(s.cpu_matmul_max_rows)], 1.0)
         yield g
         if s.kv_offload_host_blocks:  # the KV cache tiers, one series per tier
             yield from _tier_series(p, self.model_name, s)

@@ -8,7 +8,8 @@ model (no backend string travels through the layers):
   - "cpu": jaxkv/attention/cpu_attention.py, ragged paged attention in C++ (an XLA FFI custom
     call built on first use with the machine's compiler) that reads the pool's blocks in
     place: decode rows, prefill chunks and prompt tails alike. The default on a CPU; per
-    device under tensor parallelism (`per_shard`), like a Pallas call.
+    device under tensor parallelism (`per_shard`), like a Pallas call. On one device the
+    engine pairs it with the C++ matmul of few-row steps (jaxkv/models/cpu_linear.py).
   - "pallas": the Pallas kernels of pallas_kernels/: the ragged kernel for steps with prefill
     chunks, the decode kernel for decode-only steps (StepInput.decode_only, static, so each
     token bucket has a decode program of its own). Native on a GPU; interpret mode elsewhere
@@ -29,6 +30,7 @@ from pallas_kernels.ragged_paged_attention import DEFAULT_BLOCK_M
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_kernel
 from pallas_kernels.validation import next_pow2
 
+from jaxkv import cpu_kernels
 from jaxkv.attention import cpu_attention
 from jaxkv.attention.kv_pool import (KVPool, is_rotated, new_kv_pool, rotate,  # noqa: F401
                                     split_by_kv_head, write_kv)
@@ -152,7 +154,7 @@ def get_attention(backend: str, mesh=None) -> Attention:
     the XLA path is partitioned by XLA from the shardings of its operands."""
     if backend not in _BACKENDS:
         raise ValueError(f"attention backend must be 'cpu', 'xla' or 'pallas', got {backend!r}")
-    if backend == "cpu" and (why := cpu_attention.unavailable()):
+    if backend == "cpu" and (why := cpu_kernels.unavailable()):
         raise ValueError(why)
     if mesh is not None and backend in ("pallas", "cpu"):
         return per_shard(_BACKENDS[backend], mesh)

@@ -649,6 +649,7 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (n_seqs < 0 || n_seqs > S || a.qsl[0] != 0)
     return ffi::Error::InvalidArgument("cpu attention: num_seqs out of range, or "
                                        "query_start_loc[0] is not 0");
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t real_rows = 0;
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t begin = a.qsl[s], end = a.qsl[s + 1];
@@ -665,7 +666,9 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
         return ffi::Error::InvalidArgument("cpu attention: a block id is outside the pool");
     }
     const int64_t q_rows = end - begin;
-    const int64_t nh = q_rows >= rows_per_item
+    // Fewer sequences than threads (a single stream): one KV head per item, so every thread
+    // reads its share of the keys.
+    const int64_t nh = q_rows >= rows_per_item || n_seqs < threads
                            ? 1
                            : std::clamp<int64_t>(kMaxQRows / (q_rows * a.group), 1, a.kv_heads);
     for (int64_t r = begin; r < end; r += rows_per_item)
@@ -680,8 +683,7 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   std::memset(static_cast<char*>(a.out) + real_rows * H * a.head_dim * elem, 0,
               (T - real_rows) * H * a.head_dim * elem);
   const int64_t total = static_cast<int64_t>(work->items.size());
-  const int64_t helpers =
-      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1) - 1, total - 1);
+  const int64_t helpers = std::min<int64_t>(threads - 1, total - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_items(*work); });
   run_items(*work);
   while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();

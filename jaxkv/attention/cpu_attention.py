@@ -14,136 +14,22 @@ ragged paged attention), against which it is tested. Pool element types: float32
 float16, and the one-byte types (int8, float8_e4m3fn, float8_e5m2) with their scales; q and
 the output in float32, bfloat16 or float16.
 
-Build: the source is compiled once per machine with the system's C++ compiler (g++ or $CXX;
--O3 -march=native, against jaxlib's FFI headers, `jax.ffi.include_dir()`) into
-~/.cache/jaxkv/kernels (JAXKV_KERNEL_CACHE=<dir> moves it), keyed by the source, jaxlib's
-version, the compiler and the CPU, and loaded with ctypes: about 8 s the first time.
-`load()` returns None and `build_error()` says why when no compiler is there, it fails, or
-the cache folder cannot be written; an engine asked for "auto" then uses the xla backend
-(jaxkv/engine/setup.py).
+Build and loading: jaxkv/cpu_kernels.py (`load()`, `unavailable()`, `build_error()`,
+`build_info` are re-exported here); an engine asked for "auto" uses the xla backend when the
+kernel cannot be built (jaxkv/engine/setup.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.cpu_kernels import build_error, build_info, load, unavailable  # noqa: F401
+
 TARGET = "jaxkv_ragged_paged_attention"
-SOURCE = Path(__file__).with_name("cpu_attention.cc")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared", "-w")
-
-_error: str | None = None
-build_info: dict = {}  # after load(): {"seconds": build or load time, "cached": bool, "path"}
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: $JAXKV_KERNEL_CACHE, or ~/.cache/jaxkv/kernels."""
-    where = os.environ.get("JAXKV_KERNEL_CACHE")
-    return Path(where) if where else Path.home() / ".cache" / "jaxkv" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU's model name and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def _compiler() -> list[str] | None:
-    """The C++ compiler's command: $CXX (split as a shell would: "ccache g++"), or g++, or
-    c++ on PATH; None when there is none."""
-    if os.environ.get("CXX"):
-        return shlex.split(os.environ["CXX"])
-    found = shutil.which("g++") or shutil.which("c++")
-    return [found] if found else None
-
-
-def _build(cxx: list[str]) -> Path:
-    """Compile SOURCE (or reuse a build with the same key); returns the library's path.
-    Raises RuntimeError with the compiler's message."""
-    import jaxlib
-    try:
-        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
-    except OSError as e:
-        raise RuntimeError(f"cannot run {' '.join(cxx)}: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, version,
-                                    " ".join(FLAGS), _cpu_identity()]).encode()).hexdigest()[:16]
-    name = f"cpu_attention-{key}.so"
-    for folder in (cache_dir(), Path(tempfile.gettempdir()) / "jaxkv-kernels"):
-        lib = folder / name
-        build_info.update(cached=lib.exists(), path=str(lib))
-        if lib.exists():
-            return lib
-        try:  # an unwritable cache folder: build in the temporary folder instead
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # renamed when done
-            break
-        except OSError:
-            if folder != cache_dir():
-                raise
-    os.close(fd)
-    cmd = [*cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            said = res.stderr.strip()[-2000:]
-            raise RuntimeError(f"{' '.join(cxx)} failed (exit status {res.returncode})"
-                               + (f": {said}" if said else ""))
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return lib
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """Build (once per machine) and load the kernel, and register it with XLA for the CPU.
-    Returns the library, or None when it cannot be built (see build_error())."""
-    global _error
-    cxx = _compiler()
-    if cxx is None:
-        _error = "no C++ compiler found (g++, c++ or $CXX)"
-        return None
-    start = time.perf_counter()
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvRaggedPagedAttention),
-                                    platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        _error = str(e)
-        return None
-    build_info["seconds"] = time.perf_counter() - start
-    return lib
-
-
-def unavailable() -> str | None:
-    """Why the "cpu" attention backend cannot run here (its kernel could not be built or
-    loaded), as one line naming the argument; None when it can."""
-    if load() is not None:
-        return None
-    return f"attention_backend cpu: its kernel cannot be built: {build_error()}"
-
-
-def build_error() -> str | None:
-    """Why load() returned None (None when it has not failed)."""
-    return _error
 
 
 @functools.cache

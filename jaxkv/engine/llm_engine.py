@@ -322,6 +322,7 @@ class LLMEngine:
             tensor_parallel_size=self.config.runner.tensor_parallel_size,
             num_processes=self.config.runner.num_processes,
             attention_backend=self.config.runner.attention_backend,
+            cpu_matmul_max_rows=self.runner.cpu_matmul_max_rows,
             token_buckets=self.config.runner.token_buckets,
             compiled_token_buckets=self.runner.compiled_token_buckets,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,

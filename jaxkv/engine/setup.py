@@ -40,7 +40,7 @@ def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
     per device (pallas, cpu) needs the KV heads split over a tensor-parallel mesh; the cpu
     kernel needs a C++ compiler. When the backend came from "auto", "cpu" falls back to "xla"
     (with a log line) instead of failing; otherwise a ValueError says why."""
-    from jaxkv.attention import cpu_attention
+    from jaxkv import cpu_kernels
     from jaxkv.models.sharding import kv_heads_split
     backend, mc = config.runner.attention_backend, config.model_config
     why = None
@@ -51,10 +51,10 @@ def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
                f"{config.runner.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
                "split over the devices, not replicated (use the xla backend)")
     elif backend == "cpu":
-        why = cpu_attention.unavailable()
+        why = cpu_kernels.unavailable()
     if why is None:
         if backend == "cpu":
-            info = cpu_attention.build_info
+            info = cpu_kernels.build_info
             logger.info("attention backend: cpu (C++ ragged paged attention, %s in %.1f s)",
                         "loaded" if info.get("cached") else "compiled", info.get("seconds", 0.0))
         else:
@@ -103,6 +103,7 @@ def build_engine(cls, args):
     from jaxkv.core.scheduler import Scheduler
     from jaxkv.loader.converted import is_converted, restore_params
     from jaxkv.loader.source import load_checkpoint, load_tokenizer
+    from jaxkv.models import cpu_linear
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig
     from jaxkv.models.params import dummy_params, params_from_tensors
@@ -137,8 +138,14 @@ def build_engine(cls, args):
         config = multiprocess.share_config(dataclasses.replace(
             config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count())))
     mc, rc = config.model_config, config.runner
+    # jaxkv's C++ matmul for few-row steps comes with the cpu backend, for float32 weights
+    # on one device (jaxkv/models/cpu_linear.py)
+    cpu_matmul = rc.attention_backend == "cpu" and mesh is None and rc.dtype == "float32"
+    if cpu_matmul:
+        logger.info("matmuls of at most %d rows (decode steps, the LM head of the sampled "
+                    "rows): C++ kernel (cpu backend)", cpu_linear.MAX_ROWS)
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
-                       attention=get_attention(rc.attention_backend, mesh))
+                       attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul)
     if args.load_format == "dummy":
         params = dummy_params(model, args.seed)
     elif is_converted(args.model):

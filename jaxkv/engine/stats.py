@@ -22,6 +22,9 @@ class EngineStats:
     tensor_parallel_size: int = 1                 # devices the step is split over
     num_processes: int = 1                        # processes holding them (multi-process)
     attention_backend: str = ""                   # "cpu" | "xla" | "pallas", as resolved
+    # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
+    # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/models/cpu_linear.py); 0: off.
+    cpu_matmul_max_rows: int = 0
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step
     compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
     # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests

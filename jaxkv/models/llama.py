@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.attention import Attention, get_attention, write_and_attend
+from jaxkv.models import cpu_linear
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.step_input import StepInput
 
@@ -65,17 +66,41 @@ class RMSNorm(nn.Module):
         return w * xf.astype(self.dtype)
 
 
-def Linear(features: int, use_bias: bool, dtype, name: str) -> nn.Dense:
-    """y = x @ kernel (+ bias), kernel [in, out] (the transpose of torch's weight), computed
-    and stored in the model's dtype."""
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
-                    kernel_init=nn.initializers.normal(0.02), name=name)
+class Linear(nn.Module):
+    """A linear layer's weights: kernel [in, out] (the transpose of torch's weight) and bias
+    [out] (or None), stored in the model's dtype; `matmul` applies them."""
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (in_features, self.features),
+                            self.dtype)
+        bias = (self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+                if self.use_bias else None)
+        return kernel, bias
+
+
+def matmul(x, layers, cpu: bool) -> list:
+    """[x @ kernel (+ bias) for each Linear of `layers`], computed in the model's dtype. With `cpu`
+    (LlamaModel.cpu_matmul), a few-row x goes through jaxkv's C++ kernel in one call for all
+    the layers (jaxkv/models/cpu_linear.py); otherwise each is an XLA dot."""
+    weights = [layer(x.shape[-1]) for layer in layers]
+    kernels = [k for k, _ in weights]
+    x = x.astype(kernels[0].dtype)  # as flax's Dense: computed in the layer's dtype
+    if cpu and cpu_linear.applies(x, *kernels):
+        ys = cpu_linear.matmul(x, *kernels)
+    else:
+        ys = [x @ k for k in kernels]
+    return [y if b is None else y + b for y, (_, b) in zip(ys, weights)]
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     attention: Attention
+    cpu_matmul: bool = False
 
     @nn.compact
     def __call__(self, carry, layer, rope, step: StepInput, shared):
@@ -83,9 +108,10 @@ class DecoderLayer(nn.Module):
         c, dt = self.cfg, self.dtype
         t = x.shape[0]
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        q = Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj")(h)
-        k = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj")(h)
-        v = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj")(h)
+        mm = lambda x, *layers: matmul(x, layers, self.cpu_matmul)  # noqa: E731
+        q, k, v = mm(h, Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj"),
+                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj"),
+                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj"))
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
@@ -96,27 +122,31 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, pool = write_and_attend(self.attention, q, k, v, pool, step, shared, layer=layer,
                                    scale=c.head_dim ** -0.5)
-        x = x + Linear(c.hidden_size, False, dt, name="o_proj")(o.reshape(t, -1))
+        x = x + mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, name="o_proj"))[0]
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        g = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
-        u = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
-        x = x + Linear(c.hidden_size, False, dt, name="down_proj")(nn.silu(g) * u)
+        g, u = mm(h, Linear(c.intermediate_size, False, dt, name="gate_proj"),
+                  Linear(c.intermediate_size, False, dt, name="up_proj"))
+        x = x + mm(nn.silu(g) * u, Linear(c.hidden_size, False, dt, name="down_proj"))[0]
         return (x, pool), None
 
 
 class LlamaModel(nn.Module):
     """__call__(step: StepInput, kv: KVPool) -> (hidden [T, hidden_size] after the final norm,
     the pool updated); `logits(hidden)` -> float32 [rows, vocab_size]. `attention`: the backend
-    chosen at engine build (jaxkv.attention.get_attention)."""
+    chosen at engine build (jaxkv.attention.get_attention); `cpu_matmul`: steps and sampler
+    calls of at most cpu_linear.MAX_ROWS rows run their float32 matmuls through jaxkv's C++
+    kernel (set by the engine with the cpu attention backend and no tensor parallelism)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention: Attention = get_attention("xla")
+    cpu_matmul: bool = False
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype, name="embed_tokens")
-        self.layers = [DecoderLayer(c, self.dtype, self.attention, name=f"layers_{i}")
+        self.layers = [DecoderLayer(c, self.dtype, self.attention, self.cpu_matmul,
+                                    name=f"layers_{i}")
                        for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
         if not c.tie_word_embeddings:
@@ -141,6 +171,9 @@ class LlamaModel(nn.Module):
         return self.logits(hidden), kv
 
     def logits(self, hidden):
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        if not self.cfg.tie_word_embeddings:
+            return matmul(hidden, [self.lm_head], self.cpu_matmul)[0].astype(jnp.float32)
+        table = self.embed_tokens.embedding  # [vocab, hidden]: x @ table^T
+        if self.cpu_matmul and cpu_linear.applies(hidden, table):
+            return cpu_linear.matmul(hidden, table, transposed=True)[0]
+        return self.embed_tokens.attend(hidden).astype(jnp.float32)

@@ -23,6 +23,7 @@ import numpy as np
 from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
+from jaxkv.models import cpu_linear
 from jaxkv.models.llama import LlamaModel
 from jaxkv.runner import sampler as smp
 from jaxkv.runner import sampling_rows as rows
@@ -50,6 +51,9 @@ class ModelRunner:
         spec = config.speculative
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.vocab_size = model.cfg.vocab_size
+        # Steps (and sampler calls) of at most this many rows run their matmuls through the
+        # C++ kernel (LlamaModel.cpu_matmul); 0 when the model does not use it.
+        self.cpu_matmul_max_rows = cpu_linear.MAX_ROWS if model.cpu_matmul else 0
         self.num_blocks = cc.num_blocks
         # Tensor parallelism (jaxkv/models/sharding.py): a mesh, the params placed on it; None
         # on one device.

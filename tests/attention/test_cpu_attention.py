@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import cpu_kernels
 from jaxkv.attention import cpu_attention, get_attention
 from jaxkv.attention.kv_pool import new_kv_pool, write_kv
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -164,24 +165,23 @@ def test_backend_is_registered_and_bad_names_refused():
 def test_build_is_cached_and_failure_is_reported(tmp_path, monkeypatch):
     """A second build with the same key reuses the library; a compiler that fails gives its
     message, and no half-written library is left behind."""
-    cxx = cpu_attention._compiler()
+    cxx = cpu_kernels._compiler()
     monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(tmp_path))
-    first = cpu_attention._build(cxx)
+    first = cpu_kernels._build(cxx)
     stamp = first.stat().st_mtime_ns
-    assert cpu_attention._build(cxx) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_kernels._build(cxx) == first and first.stat().st_mtime_ns == stamp
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", bad)
     with pytest.raises(RuntimeError, match=r"failed \(exit status 1\): .*bad.cc"):
-        cpu_attention._build(cxx)
+        cpu_kernels._build(cxx, (cpu_kernels.SOURCES[0], bad))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "bad.cc"])
 
 
 def test_compiler_command(monkeypatch):
     monkeypatch.setenv("CXX", "ccache g++ -Wno-foo")
-    assert cpu_attention._compiler() == ["ccache", "g++", "-Wno-foo"]
+    assert cpu_kernels._compiler() == ["ccache", "g++", "-Wno-foo"]
     monkeypatch.delenv("CXX")
-    assert cpu_attention._compiler()[0].endswith(("g++", "c++"))
+    assert cpu_kernels._compiler()[0].endswith(("g++", "c++"))
 
 
 def test_engine_refuses_cpu_backend_where_it_cannot_run(monkeypatch, caplog):
@@ -198,8 +198,8 @@ def test_engine_refuses_cpu_backend_where_it_cannot_run(monkeypatch, caplog):
     with pytest.raises(ValueError, match=r"KV heads \(3\)"):
         attention_backend(cfg, mesh, "cpu", "cpu")
     assert attention_backend(cfg, mesh, "auto", "cpu") == "xla"
-    monkeypatch.setattr(cpu_attention, "load", lambda: None)
-    monkeypatch.setattr(cpu_attention, "_error", "no C++ compiler found")
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_error", "no C++ compiler found")
     with pytest.raises(ValueError, match="cannot be built: no C\\+\\+ compiler"):
         attention_backend(cfg, None, "cpu", "cpu")
     with caplog.at_level("WARNING", logger="jaxkv"):

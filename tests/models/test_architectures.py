@@ -74,11 +74,14 @@ def arch(request, tmp_path_factory):
     return request.param, make_hf(request.param, path), path
 
 
-def test_logits_match_transformers(arch):
+@pytest.mark.parametrize("cpu_matmul", [False, True])
+def test_logits_match_transformers(arch, cpu_matmul):
+    """Prefill, chunks and token-by-token decode; with cpu_matmul the decode steps (bucket 8)
+    and the logits of up to 8 rows run through the C++ matmul, longer steps stay XLA dots."""
     name, hf, path = arch
     ckpt = load_hf_dir(str(path))
     mc = ModelConfig.from_hf_config(ckpt.config)
-    model = LlamaModel(mc)
+    model = LlamaModel(mc, cpu_matmul=cpu_matmul)
     params = params_from_tensors(model, ckpt.tensors)
     config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
                         max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
@@ -93,6 +96,11 @@ def test_logits_match_transformers(arch):
         got = run_paged(runner, ids, chunks, blocks)
         err = np.max(np.abs(got - ref))
         assert err < 1e-4, f"{name} chunks={chunks[:3]}...: max |logit diff| {err}"
+    for n, kernel in ((1, cpu_matmul), (41, False)):  # buckets 8 and 64
+        s = ScheduledRequest("r", ids[:n], 0, perm, True, SamplingParams(), 0, 0, 0)
+        si = runner.build_inputs(SchedulerOutput([s]))
+        hlo = runner.jitted_step.lower(runner.params, runner.kv_cache, si).as_text()
+        assert ("jaxkv_linear" in hlo) == kernel
 
 
 

@@ -1,0 +1,58 @@
+"""Few-row matmuls on the CPU through jaxkv's C++ kernel (cpu_linear.cc, an XLA FFI call).
+
+A step of a few rows (a decode of a few sequences; the sampler's LM head on its rows) only
+reads the weights: on XLA:CPU each such dot runs on one thread (~14 GB/s on the 2-core
+machine) where the kernel streams every weight once with all cores (~25 GB/s), and one call
+takes the several weights of one input (q/k/v, gate/up). The model uses it (LlamaModel.
+cpu_matmul) for float32 weights, steps of at most MAX_ROWS rows, without tensor parallelism;
+everything else stays an XLA dot. Built and loaded with the attention kernel
+(jaxkv/cpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cpu_kernels import build_error, load
+
+TARGET = "jaxkv_linear"
+MAX_ROWS = 8  # the model's threshold (the kernel takes up to 16 rows)
+_KERNEL_ROWS = 16
+
+
+def applies(x, *weights) -> bool:
+    """Whether matmul() runs these through the kernel (else XLA dots): float32 x [T, K] with
+    1 <= T <= MAX_ROWS, float32 2-D weights, and the kernel built."""
+    return (x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == jnp.float32
+            and all(w.ndim == 2 and w.dtype == jnp.float32 for w in weights)
+            and load() is not None)
+
+
+def matmul(x, *weights, transposed: bool = False) -> tuple:
+    """(x @ W for W in weights): x float32 [T, K] (T <= 16), each weight float32 [K, N_m]
+    (or [N_m, K] with transposed=True: x @ W^T, an embedding table as the LM head) ->
+    a tuple of float32 [T, N_m], one per weight (1 to 8 weights).
+
+    Every output element is one thread's sum over K in order, so the result does not depend
+    on the thread count or on x's other rows; it may differ from XLA's dot in the last bits.
+    Raises RuntimeError if the kernel is not built, ValueError for shapes or types it does
+    not take."""
+    if load() is None:
+        raise RuntimeError(f"cpu matmul kernel unavailable: {build_error()}")
+    if not 1 <= len(weights) <= 8:
+        raise ValueError(f"cpu matmul: 1 to 8 weights, got {len(weights)}")
+    if x.ndim != 2 or x.shape[0] > _KERNEL_ROWS or x.dtype != jnp.float32:
+        raise ValueError(f"cpu matmul: x must be float32 [T <= 16, K], got {x.dtype}{list(x.shape)}")
+    k = x.shape[1]
+    outs = []
+    for w in weights:
+        wk = w.shape[-1] if transposed else w.shape[0]
+        if w.ndim != 2 or w.dtype != jnp.float32 or wk != k:
+            raise ValueError(f"cpu matmul: a weight must be float32 [{'N, ' if transposed else ''}"
+                             f"{k}{'' if transposed else ', N'}], got {w.dtype}{list(w.shape)}")
+        outs.append(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]),
+                                         jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, tuple(outs))
+    return tuple(call(x, *weights, transposed=np.int64(transposed)))

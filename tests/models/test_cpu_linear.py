@@ -1,0 +1,75 @@
+"""The C++ few-row matmul (jaxkv/models/cpu_linear.py) against float64 numpy products: every
+row count it takes (1-16), sizes on and off its 16-lane and 64-column blocks, several weights
+in one call, the transposed (embedding) layout; a row's result does not depend on the other
+rows; bad shapes and types are refused with the argument named. The model with the kernel
+(LlamaModel.cpu_matmul) is checked against transformers in tests/models/test_architectures.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.models import cpu_linear
+
+MATMUL = jax.jit(cpu_linear.matmul, static_argnames=("transposed",))
+
+
+def test_kernel_builds_here():
+    from jaxkv import cpu_kernels
+    assert cpu_kernels.load() is not None, cpu_kernels.build_error()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (64, (1536,)), (37, (5, 70, 129)),
+                                  (1536, (576,)), (16, (16, 17))])
+def test_matches_float64_product(rows, k, ns):
+    rng = np.random.default_rng(rows * 1000 + k)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ws = [rng.standard_normal((k, n)).astype(np.float32) for n in ns]
+    ys = MATMUL(jnp.asarray(x), *map(jnp.asarray, ws))
+    assert len(ys) == len(ws)
+    for w, y in zip(ws, ys):
+        ref = x.astype(np.float64) @ w.astype(np.float64)
+        assert y.shape == ref.shape and y.dtype == jnp.float32
+        assert np.max(np.abs(np.asarray(y) - ref)) <= 2e-6 * np.sqrt(k) * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("n,k", [(1000, 576), (33, 40), (7, 16)])
+def test_transposed_matches_float64_product(rows, n, k):
+    rng = np.random.default_rng(rows + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    table = rng.standard_normal((n, k)).astype(np.float32)
+    (y,) = MATMUL(jnp.asarray(x), jnp.asarray(table), transposed=True)
+    ref = x.astype(np.float64) @ table.astype(np.float64).T
+    assert y.shape == (rows, n)
+    assert np.max(np.abs(np.asarray(y) - ref)) <= 2e-6 * np.sqrt(k) * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_row_does_not_depend_on_the_other_rows(transposed):
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((300, 200) if transposed else (200, 300)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 200)), jnp.float32)
+    (full,) = MATMUL(x, w, transposed=transposed)
+    for r in (0, 3, 7):
+        (alone,) = MATMUL(x[r:r + 1], w, transposed=transposed)
+        assert np.array_equal(np.asarray(alone)[0], np.asarray(full)[r])
+
+
+def test_bad_input_is_refused():
+    x, w = jnp.zeros((2, 8)), jnp.zeros((8, 4))
+    with pytest.raises(ValueError, match="1 to 8 weights"):
+        cpu_linear.matmul(x)
+    with pytest.raises(ValueError, match=r"x must be float32 \[T <= 16, K\]"):
+        cpu_linear.matmul(jnp.zeros((17, 8)), w)
+    with pytest.raises(ValueError, match=r"x must be float32"):
+        cpu_linear.matmul(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match=r"a weight must be float32 \[8, N\], got float32\[9, 4\]"):
+        cpu_linear.matmul(x, jnp.zeros((9, 4)))
+    with pytest.raises(ValueError, match=r"a weight must be float32 \[N, 8\]"):
+        cpu_linear.matmul(x, w, transposed=True)
+    with pytest.raises(ValueError, match="a weight must be float32"):
+        cpu_linear.matmul(x, w.astype(jnp.bfloat16))
+    assert cpu_linear.applies(x, w) and not cpu_linear.applies(jnp.zeros((9, 8)), w)
+    assert not cpu_linear.applies(x, w.astype(jnp.bfloat16))
