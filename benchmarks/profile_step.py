@@ -76,10 +76,11 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     h = jnp.asarray(rng.standard_normal((t, c.hidden_size)), jnp.float32)
 
     from jaxkv.models import cpu_linear
-    kernel = runner.model.cpu_matmul and t <= cpu_linear.MAX_ROWS
 
     def mm_group(x, *ws):  # as the model runs them (llama.matmul): one kernel call, or dots
-        return cpu_linear.matmul(x, *ws) if kernel else [x @ w for w in ws]
+        if runner.model.cpu_matmul and cpu_linear.applies(x, *ws):
+            return cpu_linear.matmul(x, *ws)
+        return [x @ w for w in ws]
 
     def matmuls(params, h):
         acc = 0.0

@@ -134,4 +134,4 @@ def unavailable() -> str | None:
     one line naming the argument; None when it can."""
     if load() is not None:
         return None
-    return f"attention_backend cpu: its kernel cannot be built: {build_error()}"
+    return f"attention_backend cpu: its kernels cannot be built: {build_error()}"

@@ -92,6 +92,7 @@ struct Args {
 
 struct Item {
   int32_t seq, row0, rows, kh0, nh;  // query rows row0 .. row0+rows-1, KV heads kh0 .. kh0+nh-1
+  bool keys;                         // the keys path (else the rows path)
 };
 
 inline float load_scalar(const void* base, int64_t i, int64_t kind) {
@@ -538,10 +539,10 @@ void attend_rows(const Args& a, const Item& it) {
 
 template <int D_STATIC>
 void attend_item(const Args& a, const Item& it) {
-  if (it.nh == 1 && it.rows * a.group >= kRowsPathMin) {
-    attend_rows<D_STATIC>(a, it);
-  } else {
+  if (it.keys) {
     attend_keys<D_STATIC>(a, it);
+  } else {
+    attend_rows<D_STATIC>(a, it);
   }
 }
 
@@ -666,17 +667,21 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
         return ffi::Error::InvalidArgument("cpu attention: a block id is outside the pool");
     }
     const int64_t q_rows = end - begin;
+    const int64_t heads = q_rows >= rows_per_item
+                              ? 1
+                              : std::clamp<int64_t>(kMaxQRows / (q_rows * a.group), 1, a.kv_heads);
     // Fewer sequences than threads (a single stream): one KV head per item, so every thread
-    // reads its share of the keys.
-    const int64_t nh = q_rows >= rows_per_item || n_seqs < threads
-                           ? 1
-                           : std::clamp<int64_t>(kMaxQRows / (q_rows * a.group), 1, a.kv_heads);
-    for (int64_t r = begin; r < end; r += rows_per_item)
+    // reads its share of the keys. The path stays the one `heads` gives, whatever the batch,
+    // so a sequence's result does not depend on its neighbours (the paths round differently).
+    const int64_t nh = n_seqs < threads ? 1 : heads;
+    for (int64_t r = begin; r < end; r += rows_per_item) {
+      const int64_t rows = std::min(rows_per_item, end - r);
+      const bool keys = !(heads == 1 && rows * a.group >= kRowsPathMin);
       for (int64_t kh = 0; kh < a.kv_heads; kh += nh)
         work->items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(r),
-                               static_cast<int32_t>(std::min(rows_per_item, end - r)),
-                               static_cast<int32_t>(kh),
-                               static_cast<int32_t>(std::min(nh, a.kv_heads - kh))});
+                               static_cast<int32_t>(rows), static_cast<int32_t>(kh),
+                               static_cast<int32_t>(std::min(nh, a.kv_heads - kh)), keys});
+    }
   }
   // Rows past the last real sequence are zeros.
   const int64_t elem = a.q_kind == 0 ? 4 : 2;

@@ -67,6 +67,14 @@ def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
     raise ValueError(why)
 
 
+def cpu_matmul_wanted(runner_config, mesh) -> bool:
+    """Whether the model runs its few-row matmuls through jaxkv's C++ kernel
+    (jaxkv/models/cpu_linear.py): with the (resolved) cpu attention backend, float32 weights
+    and one device (a tensor-parallel mesh keeps XLA's partitioned dots)."""
+    return (runner_config.attention_backend == "cpu" and runner_config.dtype == "float32"
+            and mesh is None)
+
+
 def kv_tiers(runner, config, args):
     """The KV cache's host and disk tiers (or None), and the runner's side of them."""
     cc = config.cache
@@ -138,9 +146,7 @@ def build_engine(cls, args):
         config = multiprocess.share_config(dataclasses.replace(
             config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count())))
     mc, rc = config.model_config, config.runner
-    # jaxkv's C++ matmul for few-row steps comes with the cpu backend, for float32 weights
-    # on one device (jaxkv/models/cpu_linear.py)
-    cpu_matmul = rc.attention_backend == "cpu" and mesh is None and rc.dtype == "float32"
+    cpu_matmul = cpu_matmul_wanted(rc, mesh)
     if cpu_matmul:
         logger.info("matmuls of at most %d rows (decode steps, the LM head of the sampled "
                     "rows): C++ kernel (cpu backend)", cpu_linear.MAX_ROWS)

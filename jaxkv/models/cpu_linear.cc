@@ -7,18 +7,20 @@
 // 2-core machine, where both cores read ~28 GB/s. Here the weights' columns (or rows, when
 // transposed) are cut into blocks, work items shared by the calling thread and tasks on
 // XLA's intra-op thread pool through one atomic counter (as cpu_attention.cc), so every core
-// streams its own part of the weights once, for all T rows; several weights of one input
-// (q/k/v, gate/up) go in one call, one set of items.
+// streams its own part of the weights from memory once (a block is read again from cache for
+// each further group of 4 rows of x, 2 in the transposed layout); several weights of one
+// input (q/k/v, gate/up) go in one call, one set of items.
 //
-// Every output element is one thread's sum over k in increasing order (fused multiply-adds
-// in 16 lanes, for the transposed layout then added across lanes), so the result does not
-// depend on the thread count, the timing or the other rows of x.
+// Every output element is one thread's sum in a fixed order (over k in increasing order with
+// fused multiply-adds; in the transposed layout 16 lane sums over k, then added pairwise),
+// so the result does not depend on the thread count, the timing or the other rows of x.
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -210,7 +212,13 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     if (wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("cpu linear: 2-D only");
     const int64_t k = work->transposed ? wd[1] : wd[0], n = work->transposed ? wd[0] : wd[1];
     if (k != work->k || yd[0] != work->rows || yd[1] != n)
-      return ffi::Error::InvalidArgument("cpu linear: shapes of x, a weight and its output differ");
+      return ffi::Error::InvalidArgument("cpu linear: weight " + std::to_string(m) + " [" +
+                                         std::to_string(wd[0]) + ", " + std::to_string(wd[1]) +
+                                         "] or its output does not fit x [" +
+                                         std::to_string(work->rows) + ", " +
+                                         std::to_string(work->k) + "]");
+    if (n >= (int64_t{1} << 31))
+      return ffi::Error::InvalidArgument("cpu linear: a weight has 2^31 or more outputs");
     work->weights[m] = {wm->typed_data(), (*ym)->typed_data(), n};
     for (int64_t n0 = 0; n0 < n; n0 += block)
       work->items.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n0),

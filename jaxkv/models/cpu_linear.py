@@ -2,8 +2,9 @@
 
 A step of a few rows (a decode of a few sequences; the sampler's LM head on its rows) only
 reads the weights: on XLA:CPU each such dot runs on one thread (~14 GB/s on the 2-core
-machine) where the kernel streams every weight once with all cores (~25 GB/s), and one call
-takes the several weights of one input (q/k/v, gate/up). The model uses it (LlamaModel.
+machine) where the kernel streams every weight from memory once with all cores (~25 GB/s;
+a block is read again from cache for each further group of 4 rows, 2 when transposed), and
+one call takes the several weights of one input (q/k/v, gate/up). The model uses it (LlamaModel.
 cpu_matmul) for float32 weights, steps of at most MAX_ROWS rows, without tensor parallelism;
 everything else stays an XLA dot. Built and loaded with the attention kernel
 (jaxkv/cpu_kernels.py).
@@ -22,11 +23,14 @@ MAX_ROWS = 8  # the model's threshold (the kernel takes up to 16 rows)
 _KERNEL_ROWS = 16
 
 
-def applies(x, *weights) -> bool:
-    """Whether matmul() runs these through the kernel (else XLA dots): float32 x [T, K] with
-    1 <= T <= MAX_ROWS, float32 2-D weights, and the kernel built."""
+def applies(x, *weights, transposed: bool = False) -> bool:
+    """Whether the model runs these through matmul() (else XLA dots): float32 x [T, K] with
+    1 <= T <= MAX_ROWS, 1 to 8 float32 weights [K, N] (or [N, K] transposed), the kernel
+    built."""
     return (x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == jnp.float32
-            and all(w.ndim == 2 and w.dtype == jnp.float32 for w in weights)
+            and 1 <= len(weights) <= 8
+            and all(w.ndim == 2 and w.dtype == jnp.float32
+                    and w.shape[-1 if transposed else 0] == x.shape[1] for w in weights)
             and load() is not None)
 
 
@@ -48,8 +52,7 @@ def matmul(x, *weights, transposed: bool = False) -> tuple:
     k = x.shape[1]
     outs = []
     for w in weights:
-        wk = w.shape[-1] if transposed else w.shape[0]
-        if w.ndim != 2 or w.dtype != jnp.float32 or wk != k:
+        if w.ndim != 2 or w.dtype != jnp.float32 or w.shape[-1 if transposed else 0] != k:
             raise ValueError(f"cpu matmul: a weight must be float32 [{'N, ' if transposed else ''}"
                              f"{k}{'' if transposed else ', N'}], got {w.dtype}{list(w.shape)}")
         outs.append(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]),

@@ -83,9 +83,10 @@ class Linear(nn.Module):
 
 
 def matmul(x, layers, cpu: bool) -> list:
-    """[x @ kernel (+ bias) for each Linear of `layers`], computed in the model's dtype. With `cpu`
-    (LlamaModel.cpu_matmul), a few-row x goes through jaxkv's C++ kernel in one call for all
-    the layers (jaxkv/models/cpu_linear.py); otherwise each is an XLA dot."""
+    """x [T, in] -> [x @ kernel (+ bias), [T, out_i] for each Linear of `layers`], computed in
+    the layers' dtype. With `cpu` (LlamaModel.cpu_matmul), an x of at most
+    cpu_linear.MAX_ROWS float32 rows goes through jaxkv's C++ kernel in one call for all the
+    layers (jaxkv/models/cpu_linear.py); otherwise each is an XLA dot."""
     weights = [layer(x.shape[-1]) for layer in layers]
     kernels = [k for k, _ in weights]
     x = x.astype(kernels[0].dtype)  # as flax's Dense: computed in the layer's dtype
@@ -174,6 +175,6 @@ class LlamaModel(nn.Module):
         if not self.cfg.tie_word_embeddings:
             return matmul(hidden, [self.lm_head], self.cpu_matmul)[0].astype(jnp.float32)
         table = self.embed_tokens.embedding  # [vocab, hidden]: x @ table^T
-        if self.cpu_matmul and cpu_linear.applies(hidden, table):
+        if self.cpu_matmul and cpu_linear.applies(hidden, table, transposed=True):
             return cpu_linear.matmul(hidden, table, transposed=True)[0]
         return self.embed_tokens.attend(hidden).astype(jnp.float32)

@@ -205,3 +205,17 @@ def test_engine_refuses_cpu_backend_where_it_cannot_run(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="jaxkv"):
         assert attention_backend(cfg, None, "auto", "cpu") == "xla"
     assert "using the xla attention backend" in caplog.text
+
+
+@pytest.mark.parametrize("group", [3, 8, 16])
+def test_a_decode_alone_equals_the_same_decode_in_a_batch(group):
+    """Fewer sequences than threads split a decode's KV heads over the threads; the result is
+    bitwise the same as in a batch (the same path and arithmetic per head), whatever the
+    group size (8 or more query heads per KV head reach the rows path's threshold)."""
+    pool = written_pool("float32", seed=11)
+    (q2, tb2, sl2, qsl2, n2), _ = step(np.random.default_rng(0), [300, 200], [1, 1], group=group,
+                                       pad_rows=0, pad_seqs=0)
+    alone = ATTEND(q2[:1], pool.k, pool.v, tb2[:1], sl2[:1], jnp.asarray([0, 1], jnp.int32),
+                   jnp.asarray([1], jnp.int32), scale=0.125, layer=1)
+    batch = ATTEND(q2, pool.k, pool.v, tb2, sl2, qsl2, n2, scale=0.125, layer=1)
+    assert np.array_equal(np.asarray(alone)[0], np.asarray(batch)[0])

@@ -11,6 +11,7 @@ IDLE = EngineStats(num_total_blocks=100, num_free_blocks=100, kv_cache_usage=0.0
                    prefix_cache_queries=0, prefix_cache_hits=0, num_prompt_tokens=0,
                    num_computed_prompt_tokens=0, num_generation_tokens=0, num_preemptions=0,
                    num_compilations=0, num_running=0, num_waiting=0, attention_backend="cpu",
+                   cpu_matmul_max_rows=8,
                    token_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
                    compiled_token_buckets=(1, 8, 64, 512))
 

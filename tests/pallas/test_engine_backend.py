@@ -26,6 +26,18 @@ def test_resolve_backend(name, platform, want):
     assert resolve_backend(name, platform) == want
 
 
+@pytest.mark.parametrize("backend,dtype,mesh,want", [
+    ("cpu", "float32", None, True), ("xla", "float32", None, False),
+    ("pallas", "float32", None, False), ("cpu", "bfloat16", None, False),
+    ("cpu", "float16", None, False), ("cpu", "float32", "a mesh", False)])
+def test_cpu_matmul_only_with_the_cpu_backend_float32_on_one_device(backend, dtype, mesh, want):
+    from types import SimpleNamespace
+
+    from jaxkv.engine.setup import cpu_matmul_wanted
+    rc = SimpleNamespace(attention_backend=backend, dtype=dtype)
+    assert cpu_matmul_wanted(rc, mesh) is want
+
+
 def test_resolve_backend_rejects_unknown():
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_backend("triton", "gpu")
@@ -37,9 +49,11 @@ def test_xla_engine_matches_cpu_engine(llm):
 
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     assert llm.llm_engine.runner.model.attention.name == "cpu"  # the shared session engine
+    assert llm.llm_engine.runner.model.cpu_matmul and llm.stats().cpu_matmul_max_rows == 8
     ref = llm.generate(PROMPTS, sp, use_tqdm=False)
     xla = LLM(attention_backend="xla", **ENGINE)
     assert xla.llm_engine.runner.model.attention.name == "xla"
+    assert not xla.llm_engine.runner.model.cpu_matmul and xla.stats().cpu_matmul_max_rows == 0
     for a, b in zip(xla.generate(PROMPTS, sp, use_tqdm=False), ref):
         assert len(a.outputs[0].token_ids) == sp.max_tokens
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids,
