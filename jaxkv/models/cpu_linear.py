@@ -20,14 +20,16 @@ from jaxkv.cpu_kernels import build_error, load
 
 TARGET = "jaxkv_linear"
 MAX_ROWS = 8  # the model's threshold (the kernel takes up to 16 rows)
+MAX_ROWS_TRANSPOSED = 4  # the LM head's: from 8 rows XLA's dot reads the table as fast
 _KERNEL_ROWS = 16
 
 
 def applies(x, *weights, transposed: bool = False) -> bool:
     """Whether the model runs these through matmul() (else XLA dots): float32 x [T, K] with
-    1 <= T <= MAX_ROWS, 1 to 8 float32 weights [K, N] (or [N, K] transposed), the kernel
-    built."""
-    return (x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == jnp.float32
+    1 <= T <= MAX_ROWS (MAX_ROWS_TRANSPOSED when transposed), 1 to 8 float32 weights [K, N]
+    (or [N, K] transposed), the kernel built."""
+    most = MAX_ROWS_TRANSPOSED if transposed else MAX_ROWS
+    return (x.ndim == 2 and 1 <= x.shape[0] <= most and x.dtype == jnp.float32
             and 1 <= len(weights) <= 8
             and all(w.ndim == 2 and w.dtype == jnp.float32
                     and w.shape[-1 if transposed else 0] == x.shape[1] for w in weights)
