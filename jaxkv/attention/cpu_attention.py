@@ -14,9 +14,9 @@ ragged paged attention), against which it is tested. Pool element types: float32
 float16, and the one-byte types (int8, float8_e4m3fn, float8_e5m2) with their scales; q and
 the output in float32, bfloat16 or float16.
 
-Build and loading: jaxkv/cpu_kernels.py (`load()`, `unavailable()`, `build_error()`,
-`build_info` are re-exported here); an engine asked for "auto" uses the xla backend when the
-kernel cannot be built (jaxkv/engine/setup.py).
+Build and loading: jaxkv/cpu_kernels.py (`load()` and `build_error()` are imported here); an
+engine asked for "auto" uses the xla backend when the kernel cannot be built
+(jaxkv/engine/setup.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cpu_kernels import build_error, build_info, load, unavailable  # noqa: F401
+from jaxkv.cpu_kernels import build_error, load
 
 TARGET = "jaxkv_ragged_paged_attention"
 

@@ -24,15 +24,26 @@ MAX_ROWS_TRANSPOSED = 4  # the LM head's: from 8 rows XLA's dot reads the table 
 _KERNEL_ROWS = 16
 
 
+def _refusal(x, weights, transposed: bool) -> str | None:
+    """Why the kernel does not take these (None when it does), naming the argument."""
+    if not 1 <= len(weights) <= 8:
+        return f"cpu matmul: 1 to 8 weights, got {len(weights)}"
+    if x.ndim != 2 or x.shape[0] > _KERNEL_ROWS or x.dtype != jnp.float32:
+        return f"cpu matmul: x must be float32 [T <= 16, K], got {x.dtype}{list(x.shape)}"
+    k = x.shape[1]
+    for w in weights:
+        if w.ndim != 2 or w.dtype != jnp.float32 or w.shape[-1 if transposed else 0] != k:
+            return (f"cpu matmul: a weight must be float32 [{'N, ' if transposed else ''}"
+                    f"{k}{'' if transposed else ', N'}], got {w.dtype}{list(w.shape)}")
+    return None
+
+
 def applies(x, *weights, transposed: bool = False) -> bool:
     """Whether the model runs these through matmul() (else XLA dots): float32 x [T, K] with
     1 <= T <= MAX_ROWS (MAX_ROWS_TRANSPOSED when transposed), 1 to 8 float32 weights [K, N]
     (or [N, K] transposed), the kernel built."""
     most = MAX_ROWS_TRANSPOSED if transposed else MAX_ROWS
-    return (x.ndim == 2 and 1 <= x.shape[0] <= most and x.dtype == jnp.float32
-            and 1 <= len(weights) <= 8
-            and all(w.ndim == 2 and w.dtype == jnp.float32
-                    and w.shape[-1 if transposed else 0] == x.shape[1] for w in weights)
+    return (_refusal(x, weights, transposed) is None and 1 <= x.shape[0] <= most
             and load() is not None)
 
 
@@ -47,17 +58,8 @@ def matmul(x, *weights, transposed: bool = False) -> tuple:
     not take."""
     if load() is None:
         raise RuntimeError(f"cpu matmul kernel unavailable: {build_error()}")
-    if not 1 <= len(weights) <= 8:
-        raise ValueError(f"cpu matmul: 1 to 8 weights, got {len(weights)}")
-    if x.ndim != 2 or x.shape[0] > _KERNEL_ROWS or x.dtype != jnp.float32:
-        raise ValueError(f"cpu matmul: x must be float32 [T <= 16, K], got {x.dtype}{list(x.shape)}")
-    k = x.shape[1]
-    outs = []
-    for w in weights:
-        if w.ndim != 2 or w.dtype != jnp.float32 or w.shape[-1 if transposed else 0] != k:
-            raise ValueError(f"cpu matmul: a weight must be float32 [{'N, ' if transposed else ''}"
-                             f"{k}{'' if transposed else ', N'}], got {w.dtype}{list(w.shape)}")
-        outs.append(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]),
-                                         jnp.float32))
-    call = jax.ffi.ffi_call(TARGET, tuple(outs))
-    return tuple(call(x, *weights, transposed=np.int64(transposed)))
+    if why := _refusal(x, weights, transposed):
+        raise ValueError(why)
+    outs = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]),
+                                      jnp.float32) for w in weights)
+    return tuple(jax.ffi.ffi_call(TARGET, outs)(x, *weights, transposed=np.int64(transposed)))
