@@ -90,6 +90,11 @@ class EngineArgs:
                                         "budget; always on in jaxkv (--no-enable-chunked-prefill "
                                         "is refused)")
     enforce_eager: bool = _arg(False, "run without jit (debugging; very slow)")
+    async_scheduling: bool | None = _arg(
+        None, "dispatch the next decode step before this step's sampled tokens reach the host, "
+        "so scheduling, detokenizing and stop checks overlap the device; default: on where "
+        "supported (one process without tensor parallelism), as vLLM (see the README's Async "
+        "scheduling)")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
     attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (ragged paged "
                                   "attention in C++, built on first use with g++; xla, pure "
@@ -183,11 +188,18 @@ class EngineArgs:
         self._check_tiers(bad)
         pos_int("tensor_parallel_size")
         self._check_distributed(bad, pos_int)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            bad("async_scheduling", "must be true, false or None (auto)")
+        if self.async_scheduling and (self.tensor_parallel_size != 1 or (self.num_processes or 1) > 1):
+            bad("async_scheduling", "is not supported with tensor_parallel_size > 1 or "
+                "num_processes > 1 yet")
         for name in ("token_buckets", "warmup_token_buckets"):
             v = getattr(self, name)
             if v is not None and (not v or not all(_positive_int(x) for x in v)):
                 bad(name, "must be a non-empty list of positive integers")
-        SpeculativeConfig.from_value(self.speculative_config)  # ValueError naming the key
+        if SpeculativeConfig.from_value(self.speculative_config) and self.async_scheduling:
+            bad("async_scheduling", "is not supported with speculative decoding (n-gram drafts "
+                "are proposed from the tokens on the host) yet")
         StructuredOutputsConfig.from_value(self.structured_outputs_config)
         if self.token_buckets and self.warmup_token_buckets:
             stray = sorted(set(self.warmup_token_buckets) - set(self.token_buckets))

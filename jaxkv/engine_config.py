@@ -63,6 +63,9 @@ class RunnerConfig:
     kv_cache_dtype: str = "float32"
     tensor_parallel_size: int = 1  # devices of the mesh the step is split over
     num_processes: int = 1  # processes holding those devices (jaxkv/runner/multiprocess.py)
+    # Dispatch the next decode step before this step's tokens reach the host
+    # (jaxkv/runner/lookahead.py); one process without a mesh only.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,7 +254,11 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
         runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
                             args.max_logprobs, args.enforce_eager, warmup_buckets, kv_dtype,
-                            args.tensor_parallel_size),
+                            args.tensor_parallel_size,
+                            async_scheduling=(args.async_scheduling is not False
+                                              and speculative is None
+                                              and args.tensor_parallel_size == 1
+                                              and (args.num_processes or 1) == 1)),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
 

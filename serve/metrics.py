@@ -126,6 +126,14 @@ class _EngineCollector:
                               labels=["attention_backend", "cpu_matmul_max_rows"])
         g.add_metric([s.attention_backend, str(s.cpu_matmul_max_rows)], 1.0)
         yield g
+        if s.async_scheduling:  # decode steps dispatched ahead, by what became of them
+            c = CounterMetricFamily(f"{p}:async_steps", "Decode steps dispatched ahead of the "
+                                    "scheduler (async scheduling), by outcome: used (some "
+                                    "sequence took the result) or discarded.",
+                                    labels=["model_name", "outcome"])
+            c.add_metric([self.model_name, "used"], float(s.num_async_steps_used))
+            c.add_metric([self.model_name, "discarded"], float(s.num_async_steps_discarded))
+            yield c
         if s.kv_offload_host_blocks:  # the KV cache tiers, one series per tier
             yield from _tier_series(p, self.model_name, s)
         for name, field, doc in _GAUGES:

@@ -143,8 +143,11 @@ def build_engine(cls, args):
         config.runner,
         attention_backend=attention_backend(config, mesh, args.attention_backend, platform)))
     if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
+        if args.async_scheduling:  # the processes came from JAX's environment
+            raise ValueError("async_scheduling is not supported by a multi-process engine yet")
         config = multiprocess.share_config(dataclasses.replace(
-            config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count())))
+            config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count(),
+                                               async_scheduling=False)))
     mc, rc = config.model_config, config.runner
     cpu_matmul = cpu_matmul_wanted(rc, mesh)
     if cpu_matmul:
@@ -188,6 +191,9 @@ def build_engine(cls, args):
         raise SystemExit(0)
     if jax.process_count() > 1:
         runner.leader = multiprocess.Leader()
+    if rc.async_scheduling:
+        logger.info("async scheduling: the next decode step is dispatched before this step's "
+                    "tokens reach the host")
     engine = cls(config, tokenizer, scheduler, runner)
     compiler = runner.start_background_compile()
     if compiler is not None:  # a dropped engine stops its compiler (the thread holds the runner)

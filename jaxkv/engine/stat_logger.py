@@ -63,6 +63,10 @@ class LoggingStatLogger:
         if stats.token_buckets:
             line += (f", Compiled token buckets: {len(stats.compiled_token_buckets)}/"
                      f"{len(stats.token_buckets)}")
+        if stats.async_scheduling:
+            d_used = stats.num_async_steps_used - prev.num_async_steps_used
+            d_all = d_used + stats.num_async_steps_discarded - prev.num_async_steps_discarded
+            line += f", Async steps used: {d_used}/{d_all}"
         d_so = stats.num_structured_output_requests - prev.num_structured_output_requests
         if stats.num_structured_output_requests:
             line += f", Structured output requests: {d_so}"

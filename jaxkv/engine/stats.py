@@ -25,6 +25,13 @@ class EngineStats:
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
     # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/models/cpu_linear.py); 0: off.
     cpu_matmul_max_rows: int = 0
+    # Async scheduling (jaxkv/runner/lookahead.py): on or off, decode steps dispatched ahead
+    # of the scheduler, those whose result some sequence took (used) and those none did
+    # (discarded: every sequence changed course, e.g. stopped or was joined by a prompt).
+    async_scheduling: bool = False
+    num_async_steps: int = 0
+    num_async_steps_used: int = 0
+    num_async_steps_discarded: int = 0
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step
     compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
     # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests

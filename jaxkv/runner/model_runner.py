@@ -13,6 +13,7 @@ model's programs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -25,6 +26,7 @@ from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models import cpu_linear
 from jaxkv.models.llama import LlamaModel
+from jaxkv.runner import lookahead as la
 from jaxkv.runner import sampler as smp
 from jaxkv.runner import sampling_rows as rows
 from jaxkv.models import sharding as sh
@@ -109,6 +111,11 @@ class ModelRunner:
         self._gather_rows = jit(lambda hidden, idx: hidden[idx], **out)
         self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"), **out)
         self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",), **out)
+        # Async scheduling (jaxkv/runner/lookahead.py): one process, no mesh. The step
+        # dispatched ahead, and how many were (used: some sequence took its result).
+        self.async_scheduling = rc.async_scheduling and self.mesh is None
+        self._ahead: la.Ahead | None = None
+        self.num_ahead_dispatched = self.num_ahead_used = self.num_ahead_discarded = 0
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
@@ -185,6 +192,7 @@ class ModelRunner:
         that failed, or holding its error) and was reallocated as zeros; False when it is
         intact. Every block's contents are gone when True. A multi-process leader tells its
         followers to check theirs."""
+        self._ahead = None
         if self.leader is not None:
             self.leader.recovered()
         try:
@@ -210,20 +218,72 @@ class ModelRunner:
         return self._execute(out, bucket)
 
     def _execute(self, out: SchedulerOutput, bucket: int | None) -> RunnerOutput:
+        ahead, self._ahead = self._ahead, None
         if out.kv_transfers:  # copies between the KV tiers come first (kv_offload.py)
             self.kv_cache = self.offload.apply(out.kv_transfers, self.kv_cache)
         if not out.scheduled:
             return RunnerOutput()
-        si = self.build_inputs(out, bucket)
-        hidden = self.forward(si)
-        res = RunnerOutput()
-        with self.compiles:
-            spans, idx = rows.layout(out.scheduled, si.query_start_loc)
+        # Async scheduling (jaxkv/runner/lookahead.py): what the step dispatched ahead
+        # computed is taken as it is; the rest runs now.
+        reuse, rest = ahead.split(out.scheduled) if ahead is not None else ([], out.scheduled)
+        if ahead is not None:
+            self.num_ahead_used += bool(reuse)
+            self.num_ahead_discarded += not reuse
+        res, run = RunnerOutput(), None
+        if rest:
+            sub = out if not reuse else SchedulerOutput(rest)
+            si = self.build_inputs(sub, bucket)
+            hidden = self.forward(si)
+            with self.compiles:
+                spans, idx = rows.layout(sub.scheduled, si.query_start_loc)
+                sampled = self._dispatch_sample(hidden, spans, idx, si.num_tokens) if spans else None
+            run = (sub, si, hidden, spans, sampled)
+        if self.async_scheduling and self.leader is None:  # the next step, now
+            if not rest and len(reuse) == len(ahead.predicted):
+                self._ahead = self._run_ahead(out.scheduled, [x for _, x in reuse], ahead.sampled)
+            elif run is not None and not reuse:
+                self._ahead = self._run_ahead(out.scheduled, run[3], run[4])
+        if reuse:
+            self._collect_sample(res, ahead.sampled, [x for _, x in reuse])
+        if run is not None:
+            sub, si, hidden, spans, sampled = run
             if spans:
-                self._sample_into(res, hidden, spans, idx, si.num_tokens)
-            if any(s.prompt_logprob_targets for s in out.scheduled):
-                self._prompt_logprobs_into(res, hidden, si.query_start_loc, out, si.num_tokens)
+                self._collect_sample(res, sampled, spans)
+            if any(s.prompt_logprob_targets for s in sub.scheduled):
+                with self.compiles:
+                    self._prompt_logprobs_into(res, hidden, si.query_start_loc, sub, si.num_tokens)
+        if self._ahead is not None:
+            self._ahead.fill_tokens(res.sampled)
         return res
+
+    def _run_ahead(self, scheduled, spans, sampled) -> la.Ahead | None:
+        """Dispatch the predicted next step of `scheduled` (every sequence sampled one token,
+        at the rows `spans` of `sampled`) with those tokens as its input ids; None when it
+        cannot be predicted whole, or its bucket is not the sampled array's length."""
+        if self.num_speculative_tokens or len(spans) != len(scheduled):
+            return None
+        predicted = [la.predict(s, self.block_size, self.max_model_len) for s in scheduled]
+        n = next((i for i, q in enumerate(predicted) if q is None), len(predicted))
+        if n == 0 or any(q is not None for q in predicted[n:]):
+            return None  # only sequences at the end may drop out (rows 0 .. n-1 go on)
+        predicted = predicted[:n]
+        tokens = sampled.token_ids
+        if any(x.row != i or x.count != 1 for i, x in enumerate(spans[:n])):
+            return None
+        try:
+            t = pick_bucket(self._usable_buckets, n)
+        except ValueError:
+            return None
+        if t != tokens.shape[0] or self.sample_rows(t, n) != t:
+            return None
+        nxt = SchedulerOutput(predicted)
+        si = dataclasses.replace(self.build_inputs(nxt, t), input_ids=tokens)
+        hidden = self.forward(si)
+        with self.compiles:
+            spans, idx = rows.layout(predicted, si.query_start_loc)
+            ahead = la.Ahead(predicted, spans, self._dispatch_sample(hidden, spans, idx, t))
+        self.num_ahead_dispatched += 1
+        return ahead
 
     def sample_rows(self, t: int, n: int = 0) -> int:
         """Sampler rows of a token-bucket-t step that samples n rows: min(t, max_num_seqs),
@@ -237,7 +297,9 @@ class ModelRunner:
         most = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
         return tuple(sorted({self.sample_rows(t, n) for n in (0, *range(1, most + 1))}))
 
-    def _sample_into(self, res, hidden, spans, idx, t):
+    def _dispatch_sample(self, hidden, spans, idx, t):
+        """Dispatch the sampling of rows `idx` of `hidden` (a bucket-t step's; `spans` their
+        sequences); returns the sampler's output, still on the device."""
         sp = [x.sched.sampling_params for x in spans]
         greedy = all(p.temperature < smp.GREEDY_EPS for p in sp)
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in sp if p.temperature >= smp.GREEDY_EPS)
@@ -248,10 +310,12 @@ class ModelRunner:
         pen = (rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len)
                if any(rows.needs_penalties(x.sched) for x in spans) else None)
         h = self._gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
-        o = self._sample(self.params, h, s_arr, pen, rows.grammar_bitmask(spans, r, self.vocab_size),
-                         mode=mode,
-                         num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
-        o = jax.device_get(o)
+        return self._sample(self.params, h, s_arr, pen, rows.grammar_bitmask(spans, r, self.vocab_size),
+                            mode=mode, num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
+
+    def _collect_sample(self, res, sampled, spans):
+        """Read the sampler's output to the host: each span's kept tokens (and logprobs)."""
+        o = jax.device_get(sampled)
         for x in spans:
             s, ys = x.sched, o.token_ids[x.row:x.row + x.count]
             keep = rows.num_accepted(ys, s.spec_token_ids) + 1

@@ -91,3 +91,18 @@ def test_kv_tiers_usage_and_hits_when_on():
     lg2.maybe_log(IDLE)
     now[0] = 15.0
     assert "tier" not in lg2.maybe_log(replace(IDLE, num_running=1, num_generation_tokens=5))
+
+
+def test_async_steps_used_over_the_interval_when_on():
+    now = [0.0]
+    lg = LoggingStatLogger(5.0, clock=lambda: now[0])
+    base = replace(IDLE, async_scheduling=True, num_async_steps_used=10, num_async_steps_discarded=2)
+    lg.maybe_log(base)
+    now[0] = 5.0
+    line = lg.maybe_log(replace(base, num_running=1, num_generation_tokens=40,
+                                num_async_steps_used=47, num_async_steps_discarded=3))
+    assert line.endswith(", Async steps used: 37/38")
+    lg2 = LoggingStatLogger(5.0, clock=lambda: now[0])
+    lg2.maybe_log(IDLE)
+    now[0] = 15.0
+    assert "Async" not in lg2.maybe_log(replace(IDLE, num_running=1, num_generation_tokens=5))

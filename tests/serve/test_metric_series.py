@@ -108,3 +108,11 @@ def test_kv_offload_series_per_tier():
     assert m[("jaxkv:kv_offload_loaded_blocks_total", host)] == 30
     assert m[("jaxkv:num_swapped_out_total", (("model_name", "m"),))] == 3
     assert not [k for k in scrape(IDLE) if "kv_offload" in k[0]]  # off: no series
+
+
+def test_async_steps_counter_by_outcome():
+    m = scrape(replace(IDLE, async_scheduling=True, num_async_steps=9, num_async_steps_used=7,
+                       num_async_steps_discarded=1))
+    got = {dict(k[1])["outcome"]: v for k, v in m.items() if k[0] == "jaxkv:async_steps_total"}
+    assert got == {"used": 7, "discarded": 1}
+    assert not [k for k in scrape(IDLE) if "async_steps" in k[0]]  # off: no series

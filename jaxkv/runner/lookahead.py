@@ -1,0 +1,87 @@
+"""Async scheduling (vLLM's `async_scheduling`): the next decode step dispatched before this
+step's sampled tokens reach the host (host side: numpy and plain data, no JAX).
+
+After dispatching a step whose every sequence samples one token, the runner predicts the next
+step: each of those sequences decoding that token at the next position, in the same order, as
+the scheduler will schedule it unless something changes. The prediction runs at once (its
+input ids are the step's sampled tokens, still on the device), so the device goes from one
+step to the next while the host reads the tokens, updates the requests, detokenizes, checks
+stops and schedules. When the scheduler's next step arrives, each of its sequences that equals
+its prediction (same position, token, blocks and sampling inputs) takes the result computed
+ahead; the others run as a step of their own. A sequence that stopped meanwhile (EOS, a stop
+string, an abort) simply is not asked for: its row is dropped, and the one K/V row written
+ahead lands in its own last, partial block, which no hash covers and which is written again
+before anyone reads that position.
+
+A sequence is predicted only where the next step's inputs do not depend on this step's token
+on the host: no penalties that read the token history, no bad_words, no grammar, no drafts
+(speculative decoding), no prompt logprobs; its next position must lie in a block it already
+holds and below max_tokens. The prediction is padded to a compiled token bucket equal to the
+sampled-token array's length, so its input ids are that array itself (no program of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from jaxkv.core.scheduler_output import ScheduledRequest
+
+
+@dataclass
+class Ahead:
+    """A step dispatched ahead: `predicted` (ScheduledRequests; token_ids filled with the
+    sampled tokens once they reach the host), `spans` (their sampler rows) and `sampled` (the
+    sampler's device output)."""
+    predicted: list[ScheduledRequest]
+    spans: list
+    sampled: object
+    by_id: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.by_id = {q.request_id: i for i, q in enumerate(self.predicted)}
+
+    def fill_tokens(self, sampled: dict[str, list[int]]) -> None:
+        """Set each predicted sequence's input token: the one this step sampled for it."""
+        for q in self.predicted:
+            q.token_ids = [int(sampled[q.request_id][-1])]
+
+    def split(self, scheduled: list[ScheduledRequest]) -> tuple[list, list[ScheduledRequest]]:
+        """([(ScheduledRequest, its span here)] computed ahead, [ScheduledRequest] to run)."""
+        reuse, rest = [], []
+        for s in scheduled:
+            i = self.by_id.get(s.request_id)
+            if i is not None and same_step(s, self.predicted[i]):
+                reuse.append((s, self.spans[i]))
+            else:
+                rest.append(s)
+        return reuse, rest
+
+
+def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
+    """Whether the scheduler's `s` asks exactly what the prediction `q` computed."""
+    return (s.grammar_bitmask is None and s.prompt_token_ids is None and not s.spec_token_ids
+            and not s.prompt_logprob_targets and s.sample
+            and s.request_id == q.request_id and s.token_ids == q.token_ids
+            and s.num_computed_tokens == q.num_computed_tokens and s.block_ids == q.block_ids
+            and s.sampling_params is q.sampling_params and s.seed == q.seed
+            and s.sample_index == q.sample_index and s.num_output_tokens == q.num_output_tokens
+            and s.min_tokens_banned_ids == q.min_tokens_banned_ids)
+
+
+def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> ScheduledRequest | None:
+    """The next step of a sequence that samples one token now, if the scheduler will ask it
+    as predicted when it goes on (None when it cannot be predicted or surely stops): one
+    token (placeholder 0 until the sampled one is known) at the next position."""
+    p = s.sampling_params
+    if (not s.sample or s.spec_token_ids or s.prompt_token_ids is not None
+            or s.grammar_bitmask is not None or s.prompt_logprob_targets
+            or getattr(p, "structured_outputs", None) is not None):
+        return None
+    pos = s.num_computed_tokens + s.num_scheduled_tokens
+    out = s.num_output_tokens + 1
+    if pos // block_size >= len(s.block_ids) or pos + 1 >= max_model_len or out >= p.max_tokens:
+        return None
+    return dataclasses.replace(
+        s, token_ids=[0], num_computed_tokens=pos, num_output_tokens=out,
+        min_tokens_banned_ids=s.min_tokens_banned_ids if out < p.min_tokens else [])

@@ -1,0 +1,170 @@
+"""Async scheduling (jaxkv/runner/lookahead.py): the next decode step runs ahead of the
+scheduler, and what it computed is used only where the scheduler then asks exactly that.
+The engine's outputs must be those of synchronous scheduling, token for token, through
+arrivals, aborts, stops, seeded sampling, logprobs, penalties and prefix hits, and no block
+may leak. At most 4 sequences decode at once here, so their steps' matmuls and LM head take
+the `cpu` backend's row-invariant kernels. A prompt that arrives while decodes run ahead is
+computed in a step of its own instead of next to them, a different batch for XLA's dots (more
+than 8 rows), so its K/V (and the logprobs after it) may differ in the last bits: tokens must
+be equal, logprobs within 1e-4."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.core.scheduler_output import ScheduledRequest
+from jaxkv.runner import lookahead as la
+
+PROMPTS = ["The capital of France is", "Write a haiku about rain.", "List three prime numbers:",
+           "Once upon a time, a robot", "Explain photosynthesis in one sentence."]
+
+
+def _script():
+    """(step, action) pairs: requests added at steps 0, 6 and 12, one aborted at step 9."""
+    return {
+        0: [("add", "a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=20)),
+            ("add", "b", PROMPTS[1], SamplingParams(temperature=0.9, seed=7, max_tokens=24)),
+            ("add", "c", PROMPTS[2], SamplingParams(temperature=0, logprobs=2, min_tokens=3,
+                                                    max_tokens=16))],
+        6: [("add", "d", PROMPTS[3], SamplingParams(temperature=0, repetition_penalty=1.3,
+                                                    max_tokens=10))],
+        9: [("abort", "a")],
+        12: [("add", "e", PROMPTS[4], SamplingParams(temperature=0.7, seed=3, top_k=20,
+                                                     stop=["."], max_tokens=30)),
+             ("add", "f", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12))],
+    }
+
+
+def _run(engine, async_on: bool):
+    runner = engine.runner
+    saved = runner.async_scheduling
+    runner.async_scheduling = async_on
+    try:
+        script, final, step = _script(), {}, 0
+        while step in script or step < 13 or engine.has_unfinished_requests():
+            for action in script.get(step, []):
+                if action[0] == "add":
+                    engine.add_request(action[1], action[2], action[3])
+                else:
+                    for o in engine.abort_request(action[1]):
+                        final[o.request_id] = o
+            for o in engine.step():
+                if o.finished:
+                    final[o.request_id] = o
+            step += 1
+            assert step < 400
+        return final
+    finally:
+        runner.async_scheduling = saved
+
+
+def _summary(outs):
+    return {rid: [(c.token_ids, c.finish_reason, c.text) for c in o.outputs]
+            for rid, o in sorted(outs.items())}
+
+
+def test_async_outputs_equal_synchronous_ones(llm):
+    engine = llm.llm_engine
+    before = engine.stats()
+    got = _run(engine, True)
+    after = engine.stats()
+    ref = _run(engine, False)
+    assert _summary(got) == _summary(ref)
+    assert set(got) == {"a", "b", "c", "d", "e", "f"}
+    lp, lp_ref = got["c"].outputs[0].logprobs, ref["c"].outputs[0].logprobs
+    assert len(lp) == len(lp_ref) == len(got["c"].outputs[0].token_ids)
+    for x, y in zip(lp, lp_ref):
+        assert x.keys() == y.keys()
+        np.testing.assert_allclose([v.logprob for v in x.values()], [v.logprob for v in y.values()],
+                                   rtol=0, atol=1e-4)
+    used = after.num_async_steps_used - before.num_async_steps_used
+    assert used >= 10  # the steady decodes ran ahead
+    assert after.num_async_steps >= used + after.num_async_steps_discarded - before.num_async_steps_discarded
+    s = engine.stats()
+    assert s.num_running == s.num_waiting == 0
+    assert s.num_free_blocks == s.num_total_blocks  # nothing leaked (cached blocks are free)
+
+
+def test_async_prefix_hits_equal_synchronous_ones(llm):
+    """The same requests again hit the prefix cache filled by runs that stopped early (EOS,
+    stop strings, aborts): the rows written ahead into freed blocks never reach a hash."""
+    engine = llm.llm_engine
+    first = _run(engine, True)
+    again = _run(engine, True)
+    ref = _run(engine, False)
+    assert _summary(first) == _summary(again) == _summary(ref)
+
+
+def test_llm_generate_with_and_without_async_scheduling(llm):
+    runner = llm.llm_engine.runner
+    sp = [SamplingParams(temperature=0, max_tokens=n) for n in (5, 17, 33, 40)]
+    saved = runner.async_scheduling
+    try:
+        runner.async_scheduling = False
+        ref = llm.generate(PROMPTS[:4], sp, use_tqdm=False)
+        runner.async_scheduling = True
+        n0 = runner.num_ahead_used
+        got = llm.generate(PROMPTS[:4], sp, use_tqdm=False)
+        assert runner.num_ahead_used - n0 >= 20
+    finally:
+        runner.async_scheduling = saved
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert [len(o.outputs[0].token_ids) for o in got] == [5, 17, 33, 40]
+
+
+# ---- the host-side rules ---------------------------------------------------------------
+def _sched(**kw):
+    base = dict(request_id="r", token_ids=[5], num_computed_tokens=20, block_ids=[3, 4],
+                sample=True, sampling_params=SamplingParams(temperature=0, max_tokens=50),
+                seed=1, sample_index=0, num_output_tokens=4)
+    base.update(kw)
+    return ScheduledRequest(**base)
+
+
+def test_predict_the_next_decode():
+    s = _sched()
+    q = la.predict(s, 16, 1024)
+    assert (q.num_computed_tokens, q.num_output_tokens, q.token_ids, q.block_ids) == (21, 5, [0], [3, 4])
+    assert q.sampling_params is s.sampling_params
+    q.token_ids = [9]
+    nxt = dataclasses.replace(s, token_ids=[9], num_computed_tokens=21, num_output_tokens=5)
+    assert la.same_step(nxt, q)
+    assert not la.same_step(dataclasses.replace(nxt, token_ids=[8]), q)
+    assert not la.same_step(dataclasses.replace(nxt, block_ids=[3, 7]), q)
+    assert not la.same_step(dataclasses.replace(nxt, num_output_tokens=6), q)
+    assert not la.same_step(dataclasses.replace(nxt, sampling_params=SamplingParams(temperature=0, max_tokens=50)), q)
+
+
+@pytest.mark.parametrize("change", [
+    dict(sample=False), dict(spec_token_ids=[1, 2]), dict(prompt_token_ids=[1, 2]),
+    dict(prompt_logprob_targets=[4]), dict(grammar_bitmask=np.zeros(3, np.int32)),
+    dict(num_computed_tokens=31),  # the next position (32) needs a block not yet held
+    dict(num_output_tokens=49),    # its token now is its last (max_tokens 50)
+])
+def test_predict_refuses_what_the_host_decides(change):
+    assert la.predict(_sched(**change), 16, 1024) is None
+
+
+def test_predict_stops_at_max_model_len():
+    assert la.predict(_sched(), 16, 22) is None
+    assert la.predict(_sched(), 16, 23) is not None
+
+
+def test_min_tokens_ban_follows_the_output_count():
+    sp = SamplingParams(temperature=0, max_tokens=50, min_tokens=6)
+    q = la.predict(_sched(sampling_params=sp, min_tokens_banned_ids=[2]), 16, 1024)
+    assert q.min_tokens_banned_ids == [2]  # 5 outputs after this token: still banned
+    q = la.predict(_sched(sampling_params=sp, num_output_tokens=5, min_tokens_banned_ids=[2]), 16, 1024)
+    assert q.min_tokens_banned_ids == []
+
+
+def test_async_scheduling_is_refused_where_unsupported():
+    from jaxkv.config import EngineArgs
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(async_scheduling="yes")
