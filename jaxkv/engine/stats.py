@@ -27,7 +27,8 @@ class EngineStats:
     cpu_matmul_max_rows: int = 0
     # Async scheduling (jaxkv/runner/lookahead.py): on or off, decode steps dispatched ahead
     # of the scheduler, those whose result some sequence took (used) and those none did
-    # (discarded: every sequence changed course, e.g. stopped or was joined by a prompt).
+    # (discarded: every sequence changed course, e.g. all stopped), each counted when the next
+    # step arrives (so the last one dispatched may be neither yet).
     async_scheduling: bool = False
     num_async_steps: int = 0
     num_async_steps_used: int = 0
