@@ -87,9 +87,12 @@ class Scheduler:
         return len(self.waiting) + sum(len(c) for c in self.pending_forks.values())
 
     # ---- one step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit_waiting: bool = True) -> SchedulerOutput:
         """Choose this step's requests and token counts; allocates their slots. The step
-        stays undoable (undo_step) until update_from_output() commits it."""
+        stays undoable (undo_step) until update_from_output() commits it. admit_waiting=False
+        (async scheduling, while a step run ahead is pending): waiting requests join the next
+        step instead, unless nothing runs, so the step matches the one run ahead (as vLLM's
+        async scheduler, whose arrivals join the step after the one in flight)."""
         self.kv.begin_step()
         self._step_journal = []
         budget = self.max_num_batched_tokens
@@ -119,7 +122,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        budget = self._schedule_waiting(chosen, budget, preempted, now)
+        if admit_waiting or not self.running:
+            budget = self._schedule_waiting(chosen, budget, preempted, now)
         if not chosen and not self.running and self.waiting:
             compiling = [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.ready]
             if compiling:  # nothing else to run: wait a little for a grammar, run nothing
@@ -142,7 +146,8 @@ class Scheduler:
             drafts = self._propose_drafts(chosen, budget)
         scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
         self._fill_grammar_bitmasks(chosen, scheduled)
-        return SchedulerOutput(scheduled, preempted, self.kv.transfers)
+        return SchedulerOutput(scheduled, preempted, self.kv.transfers, self.num_waiting,
+                               self.max_num_seqs - len(self.running))
 
     def _fill_grammar_bitmasks(self, chosen, scheduled) -> None:
         """Each constrained sequence that samples this step gets its allowed-token row."""

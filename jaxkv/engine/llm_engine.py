@@ -198,7 +198,9 @@ class LLMEngine:
         undone the same way and the next one computes those blocks instead."""
         sched = self.scheduler
         try:  # schedule -> execute_model -> update_from_output -> outputs
-            out = sched.schedule()
+            # Async scheduling: while a decode step run ahead is pending, waiting requests
+            # join the step after it (jaxkv/runner/lookahead.py).
+            out = sched.schedule(admit_waiting=not getattr(self.runner, "step_ahead_pending", False))
             if not out.scheduled:
                 if out.kv_transfers:  # a swap-out with nothing to run: copy it all the same
                     self.runner.execute(out)

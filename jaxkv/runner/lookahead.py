@@ -14,10 +14,15 @@ ahead lands in its own last, partial block, which no hash covers and which is wr
 before anyone reads that position.
 
 A sequence is predicted only where the next step's inputs do not depend on this step's token
-on the host: no penalties that read the token history, no bad_words, no grammar, no drafts
-(speculative decoding), no prompt logprobs; its next position must lie in a block it already
-holds and below max_tokens. The prediction is padded to a compiled token bucket equal to the
-sampled-token array's length, so its input ids are that array itself (no program of its own).
+on the host: no penalties that read the token history (repetition, presence, frequency), no
+bad_words, no grammar, no drafts (speculative decoding), no prompt logprobs; its next position
+must lie in a block it already holds and below max_tokens and max_model_len. A step is run
+ahead only when all its sequences are predicted (those finishing by length aside, at its end),
+no waiting request could join the next step, and the prediction's compiled token bucket equals
+the sampled-token array's length, so its input ids are that array itself (no program of its
+own). So a batch runs ahead in its steady decode steps: not right after a step that a
+sequence joined or left, nor from a step after which some sequence's next token needs a new
+block (one step in block_size for each sequence), nor while any sequence has such penalties.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ class Ahead:
 
 def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
     """Whether the scheduler's `s` asks exactly what the prediction `q` computed."""
-    return (s.grammar_bitmask is None and s.prompt_token_ids is None and not s.spec_token_ids
+    return (s.grammar_bitmask is None and s.prompt_token_ids is None
+            and s.output_token_ids is None and not s.spec_token_ids
             and not s.prompt_logprob_targets and s.sample
             and s.request_id == q.request_id and s.token_ids == q.token_ids
             and s.num_computed_tokens == q.num_computed_tokens and s.block_ids == q.block_ids
@@ -75,8 +81,9 @@ def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> Schedul
     token (placeholder 0 until the sampled one is known) at the next position."""
     p = s.sampling_params
     if (not s.sample or s.spec_token_ids or s.prompt_token_ids is not None
-            or s.grammar_bitmask is not None or s.prompt_logprob_targets
-            or getattr(p, "structured_outputs", None) is not None):
+            or s.output_token_ids is not None or s.grammar_bitmask is not None
+            or s.prompt_logprob_targets or getattr(p, "structured_outputs", None) is not None
+            or getattr(p, "bad_words", None) or p.has_penalties):
         return None
     pos = s.num_computed_tokens + s.num_scheduled_tokens
     out = s.num_output_tokens + 1

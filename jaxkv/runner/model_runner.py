@@ -192,6 +192,7 @@ class ModelRunner:
         that failed, or holding its error) and was reallocated as zeros; False when it is
         intact. Every block's contents are gone when True. A multi-process leader tells its
         followers to check theirs."""
+        self.num_ahead_discarded += self._ahead is not None
         self._ahead = None
         if self.leader is not None:
             self.leader.recovered()
@@ -222,6 +223,7 @@ class ModelRunner:
         if out.kv_transfers:  # copies between the KV tiers come first (kv_offload.py)
             self.kv_cache = self.offload.apply(out.kv_transfers, self.kv_cache)
         if not out.scheduled:
+            self.num_ahead_discarded += ahead is not None
             return RunnerOutput()
         # Async scheduling (jaxkv/runner/lookahead.py): what the step dispatched ahead
         # computed is taken as it is; the rest runs now.
@@ -240,9 +242,9 @@ class ModelRunner:
             run = (sub, si, hidden, spans, sampled)
         if self.async_scheduling and self.leader is None:  # the next step, now
             if not rest and len(reuse) == len(ahead.predicted):
-                self._ahead = self._run_ahead(out.scheduled, [x for _, x in reuse], ahead.sampled)
+                self._ahead = self._run_ahead(out, [x for _, x in reuse], ahead.sampled)
             elif run is not None and not reuse:
-                self._ahead = self._run_ahead(out.scheduled, run[3], run[4])
+                self._ahead = self._run_ahead(out, run[3], run[4])
         if reuse:
             self._collect_sample(res, ahead.sampled, [x for _, x in reuse])
         if run is not None:
@@ -256,16 +258,25 @@ class ModelRunner:
             self._ahead.fill_tokens(res.sampled)
         return res
 
-    def _run_ahead(self, scheduled, spans, sampled) -> la.Ahead | None:
-        """Dispatch the predicted next step of `scheduled` (every sequence sampled one token,
-        at the rows `spans` of `sampled`) with those tokens as its input ids; None when it
-        cannot be predicted whole, or its bucket is not the sampled array's length."""
+    @property
+    def step_ahead_pending(self) -> bool:
+        """Whether a decode step run ahead (async scheduling) waits for the next execute()."""
+        return self._ahead is not None
+
+    def _run_ahead(self, out: SchedulerOutput, spans, sampled) -> la.Ahead | None:
+        """Dispatch the predicted next step of `out` (every sequence sampled one token, at
+        the rows `spans` of `sampled`) with those tokens as its input ids; None when it
+        cannot be predicted whole, a waiting request could join it, or its bucket is not the
+        sampled array's length."""
+        scheduled = out.scheduled
         if self.num_speculative_tokens or len(spans) != len(scheduled):
             return None
         predicted = [la.predict(s, self.block_size, self.max_model_len) for s in scheduled]
         n = next((i for i, q in enumerate(predicted) if q is None), len(predicted))
         if n == 0 or any(q is not None for q in predicted[n:]):
             return None  # only sequences at the end may drop out (rows 0 .. n-1 go on)
+        if out.num_waiting and (out.num_free_seats > 0 or n < len(predicted)):
+            return None  # the next step would admit one: the decodes run next to its prompt
         predicted = predicted[:n]
         tokens = sampled.token_ids
         if any(x.row != i or x.count != 1 for i, x in enumerate(spans[:n])):

@@ -137,10 +137,14 @@ def test_predict_the_next_decode():
     assert not la.same_step(dataclasses.replace(nxt, block_ids=[3, 7]), q)
     assert not la.same_step(dataclasses.replace(nxt, num_output_tokens=6), q)
     assert not la.same_step(dataclasses.replace(nxt, sampling_params=SamplingParams(temperature=0, max_tokens=50)), q)
+    assert not la.same_step(dataclasses.replace(nxt, output_token_ids=[1]), q)
 
 
 @pytest.mark.parametrize("change", [
     dict(sample=False), dict(spec_token_ids=[1, 2]), dict(prompt_token_ids=[1, 2]),
+    dict(output_token_ids=[1]),
+    dict(sampling_params=SamplingParams(temperature=0, max_tokens=50, presence_penalty=0.5)),
+    dict(sampling_params=SamplingParams(temperature=0, max_tokens=50, bad_words=["x"])),
     dict(prompt_logprob_targets=[4]), dict(grammar_bitmask=np.zeros(3, np.int32)),
     dict(num_computed_tokens=31),  # the next position (32) needs a block not yet held
     dict(num_output_tokens=49),    # its token now is its last (max_tokens 50)
@@ -168,3 +172,35 @@ def test_async_scheduling_is_refused_where_unsupported():
         EngineArgs(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(async_scheduling="yes")
+
+
+def test_a_request_arriving_while_a_step_runs_ahead_joins_the_step_after_it(llm):
+    """As vLLM's async scheduler: no extra forward for the decodes computed ahead; the new
+    prompt runs next to the decodes of the step after."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    calls = []
+    forward = runner.forward
+    runner.forward = lambda si: calls.append(si.num_tokens) or forward(si)
+    saved = runner.async_scheduling
+    runner.async_scheduling = True
+    try:
+        for rid in ("x1", "x2"):
+            engine.add_request(rid, PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        for _ in range(40):
+            engine.step()
+            if runner.step_ahead_pending:
+                break
+        assert runner.step_ahead_pending
+        engine.add_request("x3", PROMPTS[2], SamplingParams(temperature=0, max_tokens=5))
+        calls.clear()
+        engine.step()  # x1, x2 take the step run ahead; x3 waits; nothing runs ahead of it
+        assert calls == [] and engine.scheduler.requests["x3"].status.name == "WAITING"
+        assert not runner.step_ahead_pending
+        engine.step()  # x3's prompt next to the two decodes: one forward (and the next
+        assert engine.scheduler.requests["x3"].status.name == "RUNNING"  # step, run ahead)
+        assert len(calls) == 1 + runner.step_ahead_pending
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        runner.forward = forward
+        runner.async_scheduling = saved
