@@ -28,7 +28,7 @@ block (one step in block_size for each sequence), nor while any sequence has suc
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jaxkv.core.scheduler_output import ScheduledRequest
 
@@ -41,10 +41,6 @@ class Ahead:
     predicted: list[ScheduledRequest]
     spans: list
     sampled: object
-    by_id: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.by_id = {q.request_id: i for i, q in enumerate(self.predicted)}
 
     def fill_tokens(self, sampled: dict[str, list[int]]) -> None:
         """Set each predicted sequence's input token: the one this step sampled for it."""
@@ -53,9 +49,10 @@ class Ahead:
 
     def split(self, scheduled: list[ScheduledRequest]) -> tuple[list, list[ScheduledRequest]]:
         """([(ScheduledRequest, its span here)] computed ahead, [ScheduledRequest] to run)."""
+        by_id = {q.request_id: i for i, q in enumerate(self.predicted)}
         reuse, rest = [], []
         for s in scheduled:
-            i = self.by_id.get(s.request_id)
+            i = by_id.get(s.request_id)
             if i is not None and same_step(s, self.predicted[i]):
                 reuse.append((s, self.spans[i]))
             else:
@@ -63,12 +60,19 @@ class Ahead:
         return reuse, rest
 
 
+def _host_free(s: ScheduledRequest) -> bool:
+    """Whether `s` samples one token and its next step's inputs do not depend on that token
+    on the host (no history penalties, bad_words, grammar, drafts or prompt logprobs)."""
+    p = s.sampling_params
+    return (s.sample and not s.spec_token_ids and s.prompt_token_ids is None
+            and s.output_token_ids is None and s.grammar_bitmask is None
+            and not s.prompt_logprob_targets and getattr(p, "structured_outputs", None) is None
+            and not getattr(p, "bad_words", None) and not p.has_penalties)
+
+
 def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
     """Whether the scheduler's `s` asks exactly what the prediction `q` computed."""
-    return (s.grammar_bitmask is None and s.prompt_token_ids is None
-            and s.output_token_ids is None and not s.spec_token_ids
-            and not s.prompt_logprob_targets and s.sample
-            and s.request_id == q.request_id and s.token_ids == q.token_ids
+    return (_host_free(s) and s.request_id == q.request_id and s.token_ids == q.token_ids
             and s.num_computed_tokens == q.num_computed_tokens and s.block_ids == q.block_ids
             and s.sampling_params is q.sampling_params and s.seed == q.seed
             and s.sample_index == q.sample_index and s.num_output_tokens == q.num_output_tokens
@@ -79,16 +83,13 @@ def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> Schedul
     """The next step of a sequence that samples one token now, if the scheduler will ask it
     as predicted when it goes on (None when it cannot be predicted or surely stops): one
     token (placeholder 0 until the sampled one is known) at the next position."""
-    p = s.sampling_params
-    if (not s.sample or s.spec_token_ids or s.prompt_token_ids is not None
-            or s.output_token_ids is not None or s.grammar_bitmask is not None
-            or s.prompt_logprob_targets or getattr(p, "structured_outputs", None) is not None
-            or getattr(p, "bad_words", None) or p.has_penalties):
+    if not _host_free(s):
         return None
     pos = s.num_computed_tokens + s.num_scheduled_tokens
     out = s.num_output_tokens + 1
-    if pos // block_size >= len(s.block_ids) or pos + 1 >= max_model_len or out >= p.max_tokens:
+    if (pos // block_size >= len(s.block_ids) or pos + 1 >= max_model_len
+            or out >= s.sampling_params.max_tokens):
         return None
     return dataclasses.replace(
         s, token_ids=[0], num_computed_tokens=pos, num_output_tokens=out,
-        min_tokens_banned_ids=s.min_tokens_banned_ids if out < p.min_tokens else [])
+        min_tokens_banned_ids=s.min_tokens_banned_ids if out < s.sampling_params.min_tokens else [])

@@ -111,9 +111,10 @@ class ModelRunner:
         self._gather_rows = jit(lambda hidden, idx: hidden[idx], **out)
         self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"), **out)
         self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",), **out)
-        # Async scheduling (jaxkv/runner/lookahead.py): one process, no mesh. The step
-        # dispatched ahead, and how many were (used: some sequence took its result).
-        self.async_scheduling = rc.async_scheduling and self.mesh is None
+        # Async scheduling (jaxkv/runner/lookahead.py; the config turns it off with a mesh,
+        # several processes or speculative decoding). The step dispatched ahead, and how many
+        # were (used: some sequence took its result).
+        self.async_scheduling = rc.async_scheduling
         self._ahead: la.Ahead | None = None
         self.num_ahead_dispatched = self.num_ahead_used = self.num_ahead_discarded = 0
 
@@ -240,7 +241,7 @@ class ModelRunner:
                 spans, idx = rows.layout(sub.scheduled, si.query_start_loc)
                 sampled = self._dispatch_sample(hidden, spans, idx, si.num_tokens) if spans else None
             run = (sub, si, hidden, spans, sampled)
-        if self.async_scheduling and self.leader is None:  # the next step, now
+        if self.async_scheduling:  # the next step, now
             if not rest and len(reuse) == len(ahead.predicted):
                 self._ahead = self._run_ahead(out, [x for _, x in reuse], ahead.sampled)
             elif run is not None and not reuse:
@@ -269,7 +270,7 @@ class ModelRunner:
         cannot be predicted whole, a waiting request could join it, or its bucket is not the
         sampled array's length."""
         scheduled = out.scheduled
-        if self.num_speculative_tokens or len(spans) != len(scheduled):
+        if len(spans) != len(scheduled):
             return None
         predicted = [la.predict(s, self.block_size, self.max_model_len) for s in scheduled]
         n = next((i for i, q in enumerate(predicted) if q is None), len(predicted))
