@@ -4,16 +4,22 @@
 // more weights W_m float32, each [K, N_m] (a Flax kernel) or, with transposed = 1, [N_m, K]
 // (an embedding table used as the LM head: y = x @ W^T). With so few rows the product is a
 // read of the weights (a GEMV): XLA:CPU runs each such dot on one thread, ~14 GB/s on the
-// 2-core machine, where both cores read ~28 GB/s. Here the weights' columns (or rows, when
-// transposed) are cut into blocks, work items shared by the calling thread and tasks on
-// XLA's intra-op thread pool through one atomic counter (as cpu_attention.cc), so every core
-// streams its own part of the weights from memory once (a block is read again from cache for
-// each further group of 4 rows of x, 2 in the transposed layout); several weights of one
-// input (q/k/v, gate/up) go in one call, one set of items.
+// 2-core machine, where both cores read ~28 GB/s. Here the weights are cut into work items
+// shared by the calling thread and tasks on XLA's intra-op thread pool through one atomic
+// counter (as cpu_attention.cc), so every core streams its own part of the weights from
+// memory once; several weights of one input (q/k/v, gate/up) go in one call, one set of items.
 //
-// Every output element is one thread's sum in a fixed order (over k in increasing order with
-// fused multiply-adds; in the transposed layout 16 lane sums over k, then added pairwise),
-// so the result does not depend on the thread count, the timing or the other rows of x.
+// The items follow the memory: a [K, N] weight's item is a chunk of kChunkRows consecutive
+// rows (of a group of at most kGroupCols columns), one contiguous block that the hardware
+// prefetchers stream (items of 64 columns over all K rows, 256 bytes per row and a new page
+// every row, read at ~19 GB/s on the 2-core Xeon; chunks at ~24); its partial sums go to a
+// scratch buffer, and the thread that finishes a group's last chunk adds them, in chunk
+// order, into y. A [N, K] weight's item is a block of kBlockRows rows, already contiguous.
+//
+// Every output element is a sum in a fixed order (over each chunk's k in increasing order
+// with fused multiply-adds, then the chunks in order; in the transposed layout 16 lane sums
+// over k, then added pairwise), so the result does not depend on the thread count, the
+// timing or the other rows of x.
 
 #include <algorithm>
 #include <atomic>
@@ -37,9 +43,10 @@ typedef float v16 __attribute__((vector_size(64)));
 
 constexpr int64_t kMaxRows = 16;     // rows of x per call
 constexpr int64_t kMaxWeights = 8;   // weights per call
-constexpr int64_t kBlockCols = 64;   // columns of a [K, N] weight per item
+constexpr int64_t kGroupCols = 1024; // columns of a [K, N] weight per group of items
+constexpr int64_t kChunkRows = 64;   // rows of a [K, N] weight per item (a chunk of K)
+constexpr int64_t kPrefetchRows = 8; // how far ahead a chunk prefetches its weight rows
 constexpr int64_t kBlockRows = 32;   // rows of a [N, K] weight per item
-constexpr int64_t kPrefetchRows = 8; // how far ahead an item prefetches its weight rows
 
 inline v16 load16(const float* p) {
   v16 v;
@@ -62,10 +69,25 @@ struct Weight {
   int64_t n;
 };
 
+// A [K, N] weight's columns are cut into groups of at most kGroupCols, and its rows into chunks
+// of kChunkRows: an item is one (group, chunk), whose partial sums go to the group's part of
+// the call's buffer; the thread that finishes a group's last chunk adds its chunks' partial
+// sums, in chunk order, into y. A [N, K] (transposed) weight's items are blocks of kBlockRows
+// rows, each computed whole.
+struct Group {
+  int32_t m = 0;           // which weight
+  int32_t n0 = 0, len = 0; // its columns
+  int32_t chunks = 0;      // chunks of K, each one item
+  float* part = nullptr;   // [chunks, rows, len] partial sums
+  std::atomic<int32_t> left{0};
+};
+
 struct Item {
-  int32_t m;   // which weight
-  int32_t n0;  // first column ([K, N]) or row ([N, K]) of the block
-  int32_t len; // columns or rows in the block
+  int32_t m;    // which weight
+  int32_t n0;   // first row of the block ([N, K]); unused for [K, N]
+  int32_t len;  // rows in the block ([N, K]); unused for [K, N]
+  int32_t g;    // the group ([K, N]); -1 for [N, K]
+  int32_t k0;   // first row of the chunk ([K, N])
 };
 
 struct Work {
@@ -74,66 +96,61 @@ struct Work {
   bool transposed = false;
   Weight weights[kMaxWeights];
   std::vector<Item> items;
+  std::unique_ptr<Group[]> groups;
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// Columns [c0, c0 + 16 * NV) of y[r0 .. r0 + R) for a [K, N] weight: the accumulators stay in
-// registers over all K rows; the weight rows are read once, for all R rows of x.
-template <int R, int NV>
-void cols_block(const float* x, int64_t ldx, const float* w, int64_t K, int64_t N, int64_t c0,
-                float* y) {
-  v16 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = v16{};
-  const float* wp = w + c0;
-  for (int64_t kk = 0; kk < K; ++kk, wp += N) {
-    if (kk + kPrefetchRows < K)
-      for (int j = 0; j < NV; ++j) __builtin_prefetch(wp + kPrefetchRows * N + 16 * j, 0, 3);
-    v16 wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = load16(wp + 16 * j);
+// Partial sums of one chunk of a [K, N] weight: p[r, c] = sum over the chunk's klen rows k (in
+// increasing order) of x[r, k] * w[k, c] for c < len, r < R. The chunk's rows are read one
+// after the other, each a contiguous run of len columns (the whole chunk is one contiguous
+// block when len = N), four at a time; the partial sums stay in p (L1).
+template <int R>
+void chunk_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t klen,
+                int64_t len, float* p) {
+  const int64_t nv = len / 16, vend = nv * 16;
+  for (int r = 0; r < R; ++r) std::memset(p + r * len, 0, len * sizeof(float));
+  int64_t kk = 0;
+  for (; kk + 4 <= klen; kk += 4, w += 4 * N) {
+    v16 x0[R], x1[R], x2[R], x3[R];
     for (int r = 0; r < R; ++r) {
-      const v16 xv = splat(x[r * ldx + kk]);
-      for (int j = 0; j < NV; ++j) acc[r][j] += xv * wv[j];
+      x0[r] = splat(x[r * ldx + kk]);
+      x1[r] = splat(x[r * ldx + kk + 1]);
+      x2[r] = splat(x[r * ldx + kk + 2]);
+      x3[r] = splat(x[r * ldx + kk + 3]);
     }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) store16(y + r * N + c0 + 16 * j, acc[r][j]);
-}
-
-// One column block of every row of x (in row groups of up to 4), any width: 16-lane groups,
-// then the columns left over one at a time.
-template <int NV>
-void cols_rows(const Work& w, const Weight& m, int64_t c0, int64_t len) {
-  const int64_t K = w.k, N = m.n;
-  for (int64_t r0 = 0; r0 < w.rows; r0 += 4) {
-    const float* x = w.x + r0 * K;
-    float* y = m.y + r0 * N;
-    const int64_t R = std::min<int64_t>(4, w.rows - r0);
-    int64_t c = c0;
-    const int64_t vec_end = c0 + (len / 16) * 16;
-    for (; c + 16 * NV <= vec_end; c += 16 * NV) {
-      switch (R) {
-        case 1: cols_block<1, NV>(x, K, m.w, K, N, c, y); break;
-        case 2: cols_block<2, NV>(x, K, m.w, K, N, c, y); break;
-        case 3: cols_block<3, NV>(x, K, m.w, K, N, c, y); break;
-        default: cols_block<4, NV>(x, K, m.w, K, N, c, y);
+    const bool prefetch = kk + kPrefetchRows + 4 <= klen;
+    for (int64_t j = 0; j < nv; ++j) {
+      if (prefetch)  // into L2, two groups of 4 rows ahead (+15% at 4 rows of x)
+        for (int i = 0; i < 4; ++i) __builtin_prefetch(w + (kPrefetchRows + i) * N + 16 * j, 0, 2);
+      const v16 w0 = load16(w + 16 * j), w1 = load16(w + N + 16 * j),
+                w2 = load16(w + 2 * N + 16 * j), w3 = load16(w + 3 * N + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        v16 a = load16(p + r * len + 16 * j);
+        a += x0[r] * w0;
+        a += x1[r] * w1;
+        a += x2[r] * w2;
+        a += x3[r] * w3;
+        store16(p + r * len + 16 * j, a);
       }
     }
-    for (; c + 16 <= vec_end; c += 16) {
-      switch (R) {
-        case 1: cols_block<1, 1>(x, K, m.w, K, N, c, y); break;
-        case 2: cols_block<2, 1>(x, K, m.w, K, N, c, y); break;
-        case 3: cols_block<3, 1>(x, K, m.w, K, N, c, y); break;
-        default: cols_block<4, 1>(x, K, m.w, K, N, c, y);
-      }
-    }
-    for (; c < c0 + len; ++c)
-      for (int64_t r = 0; r < R; ++r) {
-        float s = 0.0f;
-        for (int64_t kk = 0; kk < K; ++kk) s += x[r * K + kk] * m.w[kk * N + c];
-        y[r * N + c] = s;
+    for (int64_t c = vend; c < len; ++c)
+      for (int r = 0; r < R; ++r) {
+        float a = p[r * len + c];
+        for (int i = 0; i < 4; ++i) a += x[r * ldx + kk + i] * w[i * N + c];
+        p[r * len + c] = a;
       }
   }
+  for (; kk < klen; ++kk, w += N)
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * ldx + kk];
+      const v16 xv = splat(xs);
+      for (int64_t j = 0; j < nv; ++j) {
+        v16 a = load16(p + r * len + 16 * j);
+        a += xv * load16(w + 16 * j);
+        store16(p + r * len + 16 * j, a);
+      }
+      for (int64_t c = vend; c < len; ++c) p[r * len + c] += xs * w[c];
+    }
 }
 
 // y[r, n0 + i] = dot(x[r], W[n0 + i]) for i < NR (4 weight rows at once) and r < R: each
@@ -177,16 +194,56 @@ void rows_block(const Work& w, const Weight& m, int64_t n0, int64_t len) {
   }
 }
 
+// One chunk of a [K, N] weight's group: its partial sums, in row groups of up to 4 rows of x.
+void chunk_item(const Work& w, const Group& g, int64_t k0) {
+  const Weight& m = w.weights[g.m];
+  const int64_t K = w.k, klen = std::min(kChunkRows, K - k0);
+  float* part = g.part + (k0 / kChunkRows) * w.rows * g.len;
+  const float* wk = m.w + k0 * m.n + g.n0;
+  for (int64_t r0 = 0; r0 < w.rows; r0 += 4) {
+    const float* x = w.x + r0 * K + k0;
+    float* p = part + r0 * g.len;
+    switch (std::min<int64_t>(4, w.rows - r0)) {
+      case 1: chunk_rows<1>(x, K, wk, m.n, klen, g.len, p); break;
+      case 2: chunk_rows<2>(x, K, wk, m.n, klen, g.len, p); break;
+      case 3: chunk_rows<3>(x, K, wk, m.n, klen, g.len, p); break;
+      default: chunk_rows<4>(x, K, wk, m.n, klen, g.len, p);
+    }
+  }
+}
+
+// y[r, n0 + c] = the group's partial sums added in chunk order (the group's last chunk done).
+void reduce_group(const Work& w, const Group& g) {
+  const Weight& m = w.weights[g.m];
+  const int64_t len = g.len, vend = (len / 16) * 16, stride = w.rows * len;
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const float* p = g.part + r * len;
+    float* y = m.y + r * m.n + g.n0;
+    for (int64_t c = 0; c < vend; c += 16) {
+      v16 a = load16(p + c);
+      for (int32_t ch = 1; ch < g.chunks; ++ch) a += load16(p + ch * stride + c);
+      store16(y + c, a);
+    }
+    for (int64_t c = vend; c < len; ++c) {
+      float a = p[c];
+      for (int32_t ch = 1; ch < g.chunks; ++ch) a += p[ch * stride + c];
+      y[c] = a;
+    }
+  }
+}
+
 void run_items(Work& w) {
   const int64_t total = static_cast<int64_t>(w.items.size());
   int64_t finished = 0;
   for (int64_t i; (i = w.next.fetch_add(1, std::memory_order_relaxed)) < total; ++finished) {
     const Item& it = w.items[i];
-    const Weight& m = w.weights[it.m];
-    if (w.transposed)
-      rows_block(w, m, it.n0, it.len);
-    else
-      cols_rows<4>(w, m, it.n0, it.len);
+    if (w.transposed) {
+      rows_block(w, w.weights[it.m], it.n0, it.len);
+    } else {
+      Group& g = w.groups[it.g];
+      chunk_item(w, g, it.k0);
+      if (g.left.fetch_sub(1, std::memory_order_acq_rel) == 1) reduce_group(w, g);
+    }
   }
   if (finished) w.done.fetch_add(finished, std::memory_order_acq_rel);
 }
@@ -204,7 +261,6 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   work->rows = xd[0];
   work->k = xd[1];
   work->transposed = transposed != 0;
-  const int64_t block = work->transposed ? kBlockRows : kBlockCols;
   for (int64_t m = 0; m < n_w; ++m) {
     auto wm = ws.get<ffi::Buffer<ffi::F32>>(m);
     auto ym = ys.get<ffi::Buffer<ffi::F32>>(m);
@@ -223,16 +279,53 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     if (n >= (int64_t{1} << 31))
       return ffi::Error::InvalidArgument("cpu linear: a weight has 2^31 or more outputs");
     work->weights[m] = {wm->typed_data(), (*ym)->typed_data(), n};
-    for (int64_t n0 = 0; n0 < n; n0 += block)
-      work->items.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n0),
-                             static_cast<int32_t>(std::min(block, n - n0))});
   }
-  const int64_t total = static_cast<int64_t>(work->items.size());
   if (work->rows == 0 || work->k == 0) {  // nothing to read: zeros
     for (int64_t m = 0; m < n_w; ++m)
       std::memset(work->weights[m].y, 0, work->rows * work->weights[m].n * sizeof(float));
     return ffi::Error::Success();
   }
+  if (work->transposed) {
+    for (int64_t m = 0; m < n_w; ++m)
+      for (int64_t n0 = 0; n0 < work->weights[m].n; n0 += kBlockRows)
+        work->items.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n0),
+                               static_cast<int32_t>(std::min(kBlockRows, work->weights[m].n - n0)),
+                               -1, 0});
+  } else {
+    // Column groups of near-equal width (a multiple of 16 where the weight allows), each cut
+    // into chunks of K; their partial sums in this thread's scratch buffer.
+    thread_local std::vector<float> scratch;
+    const int64_t chunks = (work->k + kChunkRows - 1) / kChunkRows;
+    int64_t n_groups = 0, floats = 0;
+    int64_t group_n[kMaxWeights];
+    for (int64_t m = 0; m < n_w; ++m) {
+      group_n[m] = (work->weights[m].n + kGroupCols - 1) / kGroupCols;
+      n_groups += group_n[m];
+      floats += chunks * work->rows * work->weights[m].n;
+    }
+    if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
+    work->groups.reset(new Group[n_groups]);
+    float* part = scratch.data();
+    int64_t gi = 0;
+    for (int64_t m = 0; m < n_w; ++m) {
+      const int64_t n = work->weights[m].n;
+      const int64_t width = ((n + group_n[m] - 1) / group_n[m] + 15) / 16 * 16;
+      for (int64_t n0 = 0; n0 < n; n0 += width, ++gi) {
+        Group& g = work->groups[gi];
+        g.m = static_cast<int32_t>(m);
+        g.n0 = static_cast<int32_t>(n0);
+        g.len = static_cast<int32_t>(std::min(width, n - n0));
+        g.chunks = static_cast<int32_t>(chunks);
+        g.part = part;
+        g.left.store(static_cast<int32_t>(chunks), std::memory_order_relaxed);
+        part += chunks * work->rows * g.len;
+        for (int64_t k0 = 0; k0 < work->k; k0 += kChunkRows)
+          work->items.push_back({static_cast<int32_t>(m), 0, 0, static_cast<int32_t>(gi),
+                                 static_cast<int32_t>(k0)});
+      }
+    }
+  }
+  const int64_t total = static_cast<int64_t>(work->items.size());
   const int64_t helpers =
       std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1) - 1, total - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_items(*work); });

@@ -2,9 +2,10 @@
 
 A step of a few rows (a decode of a few sequences; the sampler's LM head on its rows) only
 reads the weights: on XLA:CPU each such dot runs on one thread (~14 GB/s on the 2-core
-machine) where the kernel streams every weight from memory once with all cores (~25 GB/s;
-a block is read again from cache for each further group of 4 rows, 2 when transposed), and
-one call takes the several weights of one input (q/k/v, gate/up). The model uses it (LlamaModel.
+machine) where the kernel streams every weight from memory once with all cores, in
+contiguous chunks of rows (~24 GB/s; a chunk is read again from cache for each further group
+of 4 rows, 2 when transposed), and one call takes the several weights of one input (q/k/v,
+gate/up). The model uses it (LlamaModel.
 cpu_matmul) for float32 weights, steps of at most MAX_ROWS rows, without tensor parallelism;
 everything else stays an XLA dot. Built and loaded with the attention kernel
 (jaxkv/cpu_kernels.py).
@@ -52,8 +53,9 @@ def matmul(x, *weights, transposed: bool = False) -> tuple:
     (or [N_m, K] with transposed=True: x @ W^T, an embedding table as the LM head) ->
     a tuple of float32 [T, N_m], one per weight (1 to 8 weights).
 
-    Every output element is one thread's sum over K in order, so the result does not depend
-    on the thread count or on x's other rows; it may differ from XLA's dot in the last bits.
+    Every output element is a sum in a fixed order (over K in chunks of 64 rows, each in
+    order, then the chunks in order), so the result does not depend on the thread count or on
+    x's other rows; it may differ from XLA's dot in the last bits.
     Raises RuntimeError if the kernel is not built, ValueError for shapes or types it does
     not take."""
     if load() is None:

@@ -1,5 +1,6 @@
 """The C++ few-row matmul (jaxkv/models/cpu_linear.py) against float64 numpy products: every
-row count it takes (1-16), sizes on and off its 16-lane and 64-column blocks, several weights
+row count it takes (1-16), sizes on and off its 16-lane vectors, 4-row steps, 64-row chunks
+and 1024-column groups (2500 columns: three groups, the last with a scalar tail), several weights
 in one call, the transposed (embedding) layout; a row's result does not depend on the other
 rows; bad shapes and types are refused with the argument named. The model with the kernel
 (LlamaModel.cpu_matmul) is checked against transformers in tests/models/test_architectures.py."""
@@ -21,7 +22,8 @@ def test_kernel_builds_here():
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (64, (1536,)), (37, (5, 70, 129)),
-                                  (1536, (576,)), (16, (16, 17))])
+                                  (1536, (576,)), (16, (16, 17)),
+                                  (130, (2500, 3))])
 def test_matches_float64_product(rows, k, ns):
     rng = np.random.default_rng(rows * 1000 + k)
     x = rng.standard_normal((rows, k)).astype(np.float32)
