@@ -205,6 +205,62 @@ inline v16 exp_nonpositive16(v16 x) {
   return p * scale;
 }
 
+// r[j] = the sum of p[j]'s 16 lanes, for j < 16: a transpose-and-add in four levels of
+// two-source shuffles (each level halves the vectors and doubles the keys per vector), so 16
+// dot products cost 30 shuffles and 15 adds instead of 16 horizontal sums. The order of each
+// lane's additions is fixed.
+inline v16 reduce16(const v16* p) {
+  const v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i hi1 = lo1 + 8;
+  const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i hi2 = lo2 + 4;
+  const v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i hi3 = lo3 + 2;
+  const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i hi4 = lo4 + 1;
+  v16 w[8], x[4], y[2];
+  for (int m = 0; m < 8; ++m)
+    w[m] = __builtin_shuffle(p[2 * m], p[2 * m + 1], lo1) +
+           __builtin_shuffle(p[2 * m], p[2 * m + 1], hi1);
+  for (int m = 0; m < 4; ++m)
+    x[m] = __builtin_shuffle(w[2 * m], w[2 * m + 1], lo2) +
+           __builtin_shuffle(w[2 * m], w[2 * m + 1], hi2);
+  for (int m = 0; m < 2; ++m)
+    y[m] = __builtin_shuffle(x[2 * m], x[2 * m + 1], lo3) +
+           __builtin_shuffle(x[2 * m], x[2 * m + 1], hi3);
+  return __builtin_shuffle(y[0], y[1], lo4) + __builtin_shuffle(y[0], y[1], hi4);
+}
+
+inline float hmax16(v16 v) {  // a fixed pairwise order
+  float h[16];
+  store16(h, v);
+  for (int w = 8; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) h[i] = std::max(h[i], h[i + w]);
+  return h[0];
+}
+
+inline float hsum16(v16 v) {  // a fixed pairwise order
+  float h[16];
+  store16(h, v);
+  for (int w = 8; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) h[i] += h[i + w];
+  return h[0];
+}
+
+// softmax_tile on a tile's 16 scores in one vector, keys vis .. 15 masked; the weights go to
+// si[0 .. 15].
+inline float softmax_tile16(v16 sv, int64_t vis, float* si, float& m, float& l) {
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16i keep = lane < static_cast<int32_t>(vis);
+  const float m_new = std::max(m, hmax16(keep ? sv : splat(-INFINITY)));
+  const float alpha = exp_nonpositive(m - m_new);  // m = -inf: ~0, times zeros
+  const v16 pv = keep ? exp_nonpositive16(sv - m_new) : v16{};
+  store16(si, pv);
+  l = l * alpha + hsum16(pv);
+  m = m_new;
+  return alpha;
+}
+
 // Online-softmax update of a Q-tile row from its tile scores si[0 .. vis-1] (the rest of the
 // tile is masked): returns the factor that rescales the row's accumulator, and leaves the
 // weights p in si[0 .. kKeyTile-1] (0 for masked keys).
@@ -365,8 +421,11 @@ inline void prefetch_tile(const Args& a, const Span& sp, int64_t t0, int64_t kh0
 // The keys path, for items with few query rows per KV head (decodes): rows row0 ..
 // row0+rows-1 of sequence `seq`, KV heads kh0 .. kh0+nh-1 with their G query heads each;
 // Q-tile row i = ((row * nh) + head) * G + g. Each key row (all nh heads, contiguous in the
-// pool) is read once and dotted with its head's query rows; then an online softmax per tile
-// of kKeyTile keys and acc += P V.
+// pool) is dotted with its head's query rows; then an online softmax per tile of kKeyTile
+// keys and acc += P V. With a head_dim a multiple of 16, a Q-tile row's 16 scores of a tile
+// are computed as 16 vectors of partial sums added across lanes at once (reduce16), and the
+// next tile is prefetched row by row during the tile's work (measured on the 2-core Xeon, 64
+// sequences x 256 keys, 30 layers, pool cold: 2.3 -> 1.6 ms per layer; warm: 1.1 -> 0.5).
 template <int D_STATIC>
 void attend_keys(const Args& a, const Item& it) {
   const int64_t D = D_STATIC > 0 ? D_STATIC : a.head_dim;
@@ -398,6 +457,44 @@ void attend_keys(const Args& a, const Item& it) {
   for (int64_t t0 = 0; t0 < sp.n_keys; t0 += kKeyTile) {
     const int64_t nt = std::min<int64_t>(kKeyTile, sp.n_keys - t0);
     tile_rows(a, sp, t0, nt, it.kh0, nh, kbuf, vbuf, krow, vrow);
+    if constexpr (D_STATIC > 0 && D_STATIC % 16 == 0 && kKeyTile == 16) {
+      // Each score: D / 16 vector products summed into one vector of partial sums; the
+      // tile's 16 vectors are then summed across lanes at once (reduce16), and the online
+      // softmax runs on the tile's scores in one vector.
+      constexpr int NV = D_STATIC / 16;
+      v16 part[kKeyTile];
+      bool asked = false;
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t vis = std::min<int64_t>(limit[i] - t0, nt);
+        if (vis <= 0) continue;  // no visible key: weights 0, the accumulator unchanged
+        const int64_t off = ((i % HG) / G) * D_STATIC;
+        v16 qv[NV];
+        for (int c = 0; c < NV; ++c) qv[c] = load16(q + i * D_STATIC + 16 * c);
+        // While the first visible row's scores are computed, the next tile's K and V rows are
+        // requested row by row (float32 pools), so their misses overlap the rest of this
+        // tile's work (one burst for the whole tile stalls on the line-fill buffers).
+        const bool ask = !asked && a.kind == 0 && t0 + kKeyTile < sp.n_keys;
+        asked = true;
+        for (int64_t j = 0; j < nt; ++j) {
+          if (ask && t0 + kKeyTile + j < sp.n_keys) {
+            const int64_t o = (slot_of(a, sp, t0 + kKeyTile + j) * a.kv_heads + it.kh0) * D_STATIC;
+            for (int64_t b = 0; b < nh * D_STATIC; b += 16) {
+              __builtin_prefetch(static_cast<const float*>(a.k) + o + b);
+              __builtin_prefetch(static_cast<const float*>(a.v) + o + b);
+            }
+          }
+          const float* kr = krow[j] + off;
+          v16 d = qv[0] * load16(kr);
+          for (int c = 1; c < NV; ++c) d += qv[c] * load16(kr + 16 * c);
+          part[j] = d;
+        }
+        for (int64_t j = nt; j < kKeyTile; ++j) part[j] = v16{};
+        float* si = s + i * kKeyTile;
+        const float alpha = softmax_tile16(reduce16(part), vis, si, m[i], l[i]);
+        pv_row<D_STATIC>(acc + i * D_STATIC, alpha, si, 1, vrow, off, nt, D_STATIC);
+      }
+      continue;
+    }
     prefetch_tile(a, sp, t0 + kKeyTile, it.kh0, nh);
     for (int64_t j = 0; j < nt; ++j) {
       for (int64_t i = 0; i < nq; ++i) {
