@@ -73,7 +73,8 @@ def test_bad_input_is_refused():
         cpu_linear.matmul(x, w, transposed=True)
     with pytest.raises(ValueError, match="a weight must be float32"):
         cpu_linear.matmul(x, w.astype(jnp.bfloat16))
-    assert cpu_linear.applies(x, w) and not cpu_linear.applies(jnp.zeros((9, 8)), w)
+    assert cpu_linear.applies(x, w) and cpu_linear.applies(jnp.zeros((16, 8)), w)
+    assert not cpu_linear.applies(jnp.zeros((17, 8)), w)
     table = jnp.zeros((4, 8))
     assert cpu_linear.applies(jnp.zeros((4, 8)), table, transposed=True)
     assert not cpu_linear.applies(jnp.zeros((5, 8)), table, transposed=True)
