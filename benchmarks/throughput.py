@@ -9,7 +9,7 @@ measured, each as output tokens / wall time of the measured calls, after an unti
 - HF sequential: transformers' `model.generate` one request at a time with its KV cache
   (greedy, min_new_tokens = max_new_tokens forces the length), on the first
   --hf-sequential-prompts prompts of the same workload (default 16, --quick 8: one request at
-  a time runs at ~17 tokens/s, so all 64 would take ~8 minutes; tokens/s stays comparable).
+  a time runs at ~27-30 tokens/s, so all 64 would take ~5 minutes; tokens/s stays comparable).
 - HF batched: static batches of 8 in workload order, left-padded with an attention mask; each
   batch runs until its 8 x max_new_tokens are done.
 - llama.cpp (--with-llama-cpp, only when llama-cpp-python is importable; else null): the same

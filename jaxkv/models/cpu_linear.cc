@@ -309,6 +309,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     int64_t gi = 0;
     for (int64_t m = 0; m < n_w; ++m) {
       const int64_t n = work->weights[m].n;
+      if (n == 0) continue;  // nothing to compute (and no group to divide among)
       const int64_t width = ((n + group_n[m] - 1) / group_n[m] + 15) / 16 * 16;
       for (int64_t n0 = 0; n0 < n; n0 += width, ++gi) {
         Group& g = work->groups[gi];

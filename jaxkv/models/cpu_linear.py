@@ -24,6 +24,11 @@ MAX_ROWS = 16  # the model's threshold: every row count the kernel takes (from 9
 # the 30 layers' matmuls of SmolLM2 take 34-41 ms against XLA's 44-46 on the 2-core Xeon)
 MAX_ROWS_TRANSPOSED = 4  # the LM head's: from 8 rows XLA's dot reads the table as fast
 _KERNEL_ROWS = 16
+CHUNK_ROWS = 64  # rows of a [K, N] weight per work item (cpu_linear.cc's kChunkRows)
+# The partial sums of a [K, N] call, ceil(K / CHUNK_ROWS) x T x sum(N) float32, live in a
+# scratch buffer of the calling thread that is kept for its next call; calls that would need
+# more are refused (an untied LM head of a large vocabulary at 16 rows: XLA's dot runs it).
+MAX_SCRATCH_BYTES = 32 << 20
 
 
 def _refusal(x, weights, transposed: bool) -> str | None:
@@ -37,13 +42,19 @@ def _refusal(x, weights, transposed: bool) -> str | None:
         if w.ndim != 2 or w.dtype != jnp.float32 or w.shape[-1 if transposed else 0] != k:
             return (f"cpu matmul: a weight must be float32 [{'N, ' if transposed else ''}"
                     f"{k}{'' if transposed else ', N'}], got {w.dtype}{list(w.shape)}")
+    if not transposed:
+        scratch = -(-k // CHUNK_ROWS) * x.shape[0] * sum(w.shape[1] for w in weights) * 4
+        if scratch > MAX_SCRATCH_BYTES:
+            return (f"cpu matmul: the partial sums of x {list(x.shape)} with these weights "
+                    f"would take {scratch / 2**20:.1f} MiB of scratch (limit "
+                    f"{MAX_SCRATCH_BYTES >> 20} MiB)")
     return None
 
 
 def applies(x, *weights, transposed: bool = False) -> bool:
     """Whether the model runs these through matmul() (else XLA dots): float32 x [T, K] with
     1 <= T <= MAX_ROWS (MAX_ROWS_TRANSPOSED when transposed), 1 to 8 float32 weights [K, N]
-    (or [N, K] transposed), the kernel built."""
+    (or [N, K] transposed) whose partial sums fit MAX_SCRATCH_BYTES, the kernel built."""
     most = MAX_ROWS_TRANSPOSED if transposed else MAX_ROWS
     return (_refusal(x, weights, transposed) is None and 1 <= x.shape[0] <= most
             and load() is not None)
@@ -54,11 +65,13 @@ def matmul(x, *weights, transposed: bool = False) -> tuple:
     (or [N_m, K] with transposed=True: x @ W^T, an embedding table as the LM head) ->
     a tuple of float32 [T, N_m], one per weight (1 to 8 weights).
 
-    Every output element is a sum in a fixed order (over K in chunks of 64 rows, each in
-    order, then the chunks in order), so the result does not depend on the thread count or on
+    Every output element is a sum in a fixed order ([K, N]: over K in chunks of CHUNK_ROWS
+    rows, each in order, then the chunks in order; transposed: 16 lane sums over K, added
+    pairwise, then the K % 16 tail), so the result does not depend on the thread count or on
     x's other rows; it may differ from XLA's dot in the last bits.
     Raises RuntimeError if the kernel is not built, ValueError for shapes or types it does
-    not take."""
+    not take (x [T, K] with T > 16, not float32, a weight that does not fit x, more than
+    MAX_SCRATCH_BYTES of partial sums)."""
     if load() is None:
         raise RuntimeError(f"cpu matmul kernel unavailable: {build_error()}")
     if why := _refusal(x, weights, transposed):
