@@ -4,7 +4,9 @@ The runner builds it on the host from a SchedulerOutput (jaxkv/runner/input_buil
 numpy only) and passes it straight into the jitted step; the model and the attention backend
 read its fields. `decode_only` is static (a pytree meta field): a step whose every sequence has
 exactly one query token compiles its own program per token bucket, so the attention backend
-can pick its decode kernel at trace time.
+can pick its decode kernel at trace time. `fuse_greedy` is data: the runner sets it when the
+step's sampled rows are all plain greedy and its program takes their argmax itself
+(jaxkv/runner/fused_greedy.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class StepInput:
     query_start_loc: Array  # [R + 1] first row of each sequence; cumulative query lengths
     num_seqs: Array         # [1] real sequence rows
     logits_indices: Array   # [R] each sequence's last row (the one sampled)
+    # [1]: 1 = the program also returns the argmax of each sequence's last row's logits
+    # (fused greedy sampling, in the programs of the smallest buckets); 0 = it skips that
+    fuse_greedy: Array = dataclasses.field(default_factory=lambda: np.zeros(1, np.int32))
     decode_only: bool = False  # static: every real sequence has exactly one query row
 
     @property

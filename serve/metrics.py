@@ -62,6 +62,8 @@ _GAUGES = (("num_requests_running", "num_running", "Number of requests in model 
 _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
              ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
              ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+             ("fused_greedy_steps", "num_fused_greedy_steps",
+              "Steps whose greedy sampling ran inside the step program (fused greedy sampling)."),
              ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."),
              ("structured_output_requests", "num_structured_output_requests",
               "Requests (samples) with a structured-output constraint."),

@@ -325,6 +325,8 @@ class LLMEngine:
             num_processes=self.config.runner.num_processes,
             attention_backend=self.config.runner.attention_backend,
             cpu_matmul_max_rows=self.runner.cpu_matmul_max_rows,
+            fused_greedy_max_tokens=getattr(self.runner, "fused_greedy_max_tokens", 0),
+            num_fused_greedy_steps=getattr(self.runner, "num_fused_greedy_steps", 0),
             async_scheduling=getattr(self.runner, "async_scheduling", False),
             num_async_steps=getattr(self.runner, "num_ahead_dispatched", 0),
             num_async_steps_used=getattr(self.runner, "num_ahead_used", 0),

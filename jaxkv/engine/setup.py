@@ -152,8 +152,9 @@ def build_engine(cls, args):
     cpu_matmul = cpu_matmul_wanted(rc, mesh)
     if cpu_matmul:
         logger.info("matmuls of at most %d rows (decode steps; the LM head of up to %d "
-                    "sampled rows): C++ kernel (cpu backend)", cpu_linear.MAX_ROWS,
-                    cpu_linear.MAX_ROWS_TRANSPOSED)
+                    "sampled rows): C++ kernel (cpu backend); greedy sampling fused into the "
+                    "step programs of token buckets <= %d", cpu_linear.MAX_ROWS,
+                    cpu_linear.MAX_ROWS_TRANSPOSED, cpu_linear.MAX_ROWS_TRANSPOSED)
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul)
     if args.load_format == "dummy":

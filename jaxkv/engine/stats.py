@@ -25,6 +25,11 @@ class EngineStats:
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
     # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/models/cpu_linear.py); 0: off.
     cpu_matmul_max_rows: int = 0
+    # Fused greedy sampling (jaxkv/runner/fused_greedy.py): the step programs of token buckets
+    # up to this size take a plain greedy step's argmax themselves (0: none do), and the steps
+    # that sampled that way.
+    fused_greedy_max_tokens: int = 0
+    num_fused_greedy_steps: int = 0
     # Async scheduling (jaxkv/runner/lookahead.py): on or off, decode steps dispatched ahead
     # of the scheduler, those whose result some sequence took (used) and those none did
     # (discarded: every sequence changed course, e.g. all stopped), each counted when the next

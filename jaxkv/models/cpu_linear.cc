@@ -43,10 +43,10 @@ typedef float v16 __attribute__((vector_size(64)));
 
 constexpr int64_t kMaxRows = 16;     // rows of x per call
 constexpr int64_t kMaxWeights = 8;   // weights per call
-constexpr int64_t kGroupCols = 1024; // columns of a [K, N] weight per group of items
+constexpr int64_t kGroupCols = 2048; // columns of a [K, N] weight per group of items
 constexpr int64_t kChunkRows = 64;   // rows of a [K, N] weight per item (a chunk of K)
 constexpr int64_t kPrefetchRows = 8; // how far ahead a chunk prefetches its weight rows
-constexpr int64_t kBlockRows = 32;   // rows of a [N, K] weight per item
+constexpr int64_t kBlockRows = 256;  // rows of a [N, K] weight per item
 
 inline v16 load16(const float* p) {
   v16 v;

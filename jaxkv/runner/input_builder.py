@@ -38,4 +38,4 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
     qsl[len(out.scheduled) + 1:] = t
     decode_only = mark_decode_only and all(s.num_scheduled_tokens == 1 for s in out.scheduled)
     return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([len(out.scheduled)], i32),
-                     logits_idx, decode_only=decode_only)
+                     logits_idx, np.zeros(1, i32), decode_only=decode_only)

@@ -8,7 +8,8 @@ jaxkv/runner/compiler.py): the warmup buckets before the engine is ready, the ot
 background thread, and each step is padded to the smallest bucket compiled so far. Logits of
 each sequence's last row (and of its draft rows, jaxkv/runner/sampling_rows.py) and sampling
 run in a second, small jitted function (`sample`), so sampler variants do not multiply the
-model's programs.
+model's programs; except that the smallest buckets' step programs take a plain greedy step's
+argmax themselves (jaxkv/runner/fused_greedy.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models import cpu_linear
 from jaxkv.models.llama import LlamaModel
+from jaxkv.runner import fused_greedy as fg
 from jaxkv.runner import lookahead as la
 from jaxkv.runner import sampler as smp
 from jaxkv.runner import sampling_rows as rows
@@ -56,6 +58,11 @@ class ModelRunner:
         # Steps (and sampler calls) of at most this many rows run their matmuls through the
         # C++ kernel (LlamaModel.cpu_matmul); 0 when the model does not use it.
         self.cpu_matmul_max_rows = cpu_linear.MAX_ROWS if model.cpu_matmul else 0
+        # Step programs of at most this many tokens also return a plain greedy step's argmax
+        # (jaxkv/runner/fused_greedy.py): those whose LM head is the kernel's table read.
+        self.fused_greedy_max_tokens = cpu_linear.MAX_ROWS_TRANSPOSED if model.cpu_matmul else 0
+        self.num_fused_greedy_steps = 0  # steps that sampled that way
+        self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
         self.num_blocks = cc.num_blocks
         # Tensor parallelism (jaxkv/models/sharding.py): a mesh, the params placed on it; None
         # on one device.
@@ -121,8 +128,13 @@ class ModelRunner:
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
         """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
-        [T, hidden_size], pool with this step's K/V written)."""
-        return self.model.apply({"params": params}, step, kv_cache)
+        [T, hidden_size], pool with this step's K/V written); in buckets of at most
+        fused_greedy_max_tokens tokens also int32 [R], the argmax of each sequence's last
+        row's logits when step.fuse_greedy is set (else zeros)."""
+        hidden, kv_cache = self.model.apply({"params": params}, step, kv_cache)
+        if step.num_tokens > self.fused_greedy_max_tokens:
+            return hidden, kv_cache
+        return hidden, kv_cache, fg.greedy_tokens(lambda h: self._logits(params, h), hidden, step)
 
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
@@ -164,9 +176,11 @@ class ModelRunner:
         """Run the jitted step: write the step's K/V into the pool (donated, updated in place)
         and return hidden float [T, hidden_size] (after the final norm). The step program of
         (T, step.decode_only) is compiled ahead of time (warmup or the background compiler),
-        or here on first use when no warmup ran."""
+        or here on first use when no warmup ran. `last_greedy_tokens` is then the program's
+        fused greedy output (int32 [R]; None in buckets without one)."""
         with self.compiles:
-            hidden, self.kv_cache = self._run_step(self.params, self.kv_cache, step)
+            hidden, self.kv_cache, *greedy = self._run_step(self.params, self.kv_cache, step)
+        self.last_greedy_tokens = greedy[0] if greedy else None
         return hidden
 
     def _run_step(self, params, kv_cache, step: StepInput):
@@ -236,10 +250,7 @@ class ModelRunner:
         if rest:
             sub = out if not reuse else SchedulerOutput(rest)
             si = self.build_inputs(sub, bucket)
-            hidden = self.forward(si)
-            with self.compiles:
-                spans, idx = rows.layout(sub.scheduled, si.query_start_loc)
-                sampled = self._dispatch_sample(hidden, spans, idx, si.num_tokens) if spans else None
+            hidden, spans, sampled = self._step_and_sample(sub.scheduled, si)
             run = (sub, si, hidden, spans, sampled)
         if self.async_scheduling:  # the next step, now
             if not rest and len(reuse) == len(ahead.predicted):
@@ -290,12 +301,26 @@ class ModelRunner:
             return None
         nxt = SchedulerOutput(predicted)
         si = dataclasses.replace(self.build_inputs(nxt, t), input_ids=tokens)
-        hidden = self.forward(si)
-        with self.compiles:
-            spans, idx = rows.layout(predicted, si.query_start_loc)
-            ahead = la.Ahead(predicted, spans, self._dispatch_sample(hidden, spans, idx, t))
+        _, spans, sampled = self._step_and_sample(predicted, si)
         self.num_ahead_dispatched += 1
-        return ahead
+        return la.Ahead(predicted, spans, sampled)
+
+    def _step_and_sample(self, scheduled, si: StepInput):
+        """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
+        the sampler's output still on the device; None when nothing samples). A plain greedy
+        step of a small bucket samples inside its own program (jaxkv/runner/fused_greedy.py)."""
+        fused = fg.fusable(scheduled, si.num_tokens, self.fused_greedy_max_tokens)
+        if fused:
+            si = dataclasses.replace(si, fuse_greedy=fg.ON)
+        hidden = self.forward(si)
+        if fused:
+            self.num_fused_greedy_steps += 1
+            tokens = self.last_greedy_tokens
+            return hidden, fg.spans(scheduled), smp.SamplerOutput(tokens, None, None, None, None)
+        with self.compiles:
+            spans, idx = rows.layout(scheduled, si.query_start_loc)
+            sampled = self._dispatch_sample(hidden, spans, idx, si.num_tokens) if spans else None
+        return hidden, spans, sampled
 
     def sample_rows(self, t: int, n: int = 0) -> int:
         """Sampler rows of a token-bucket-t step that samples n rows: min(t, max_num_seqs),
@@ -327,7 +352,10 @@ class ModelRunner:
 
     def _collect_sample(self, res, sampled, spans):
         """Read the sampler's output to the host: each span's kept tokens (and logprobs)."""
-        o = jax.device_get(sampled)
+        if any(x.sched.sampling_params.logprobs is not None for x in spans):
+            o = jax.device_get(sampled)
+        else:  # the tokens only (one transfer, not five)
+            o = smp.SamplerOutput(jax.device_get(sampled.token_ids), None, None, None, None)
         for x in spans:
             s, ys = x.sched, o.token_ids[x.row:x.row + x.count]
             keep = rows.num_accepted(ys, s.spec_token_ids) + 1
