@@ -1,11 +1,12 @@
 """Fused greedy sampling: the smallest buckets' step programs also take the argmax themselves.
 
 A step whose sampled rows are all plain greedy (temperature below GREEDY_EPS, one row per
-sequence, no logprobs, penalties, logits filters, bad words or grammar) needs nothing from
-the sampler but argmax(logits) of each sequence's last row. In the step programs of the
-token buckets of at most `max_tokens` rows (the runner's `fused_greedy_max_tokens`: on the CPU
-backend the buckets whose LM head is a read of the embedding table, cpu_linear's
-MAX_ROWS_TRANSPOSED) that argmax is a third output, computed under a `lax.cond` on
+sequence, no logprobs, penalties, logits filters, min_tokens ban, bad words, drafts or
+grammar) needs nothing from the sampler but argmax(logits) of each sequence's last row. In
+the step programs of the token buckets of at most `max_tokens` rows (the runner's
+`fused_greedy_max_tokens`: on the cpu backend with a tied embedding, the buckets whose LM
+head is the C++ kernel's read of the embedding table, cpu_linear's MAX_ROWS_TRANSPOSED; 0
+otherwise) that argmax is a third output, computed under a `lax.cond` on
 StepInput.fuse_greedy, so a step that does not ask for it skips the LM head. A single greedy
 stream then runs one program per token instead of three (the step, the gather of its
 sampled rows, the sampler): on the 2-core CPU that saved ~2-3 ms of ~25 per token (each
