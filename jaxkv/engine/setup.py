@@ -115,6 +115,7 @@ def build_engine(cls, args):
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig
     from jaxkv.models.params import dummy_params, params_from_tensors
+    from jaxkv.runner import fused_greedy
     from jaxkv.runner.model_runner import ModelRunner
 
     from jaxkv.runner import multiprocess
@@ -152,11 +153,13 @@ def build_engine(cls, args):
     cpu_matmul = cpu_matmul_wanted(rc, mesh)
     if cpu_matmul:
         logger.info("matmuls of at most %d rows (decode steps; the LM head of up to %d "
-                    "sampled rows): C++ kernel (cpu backend); greedy sampling fused into the "
-                    "step programs of token buckets <= %d", cpu_linear.MAX_ROWS,
-                    cpu_linear.MAX_ROWS_TRANSPOSED, cpu_linear.MAX_ROWS_TRANSPOSED)
+                    "sampled rows): C++ kernel (cpu backend)", cpu_linear.MAX_ROWS,
+                    cpu_linear.MAX_ROWS_TRANSPOSED)
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul)
+    if fused_greedy.max_tokens(model):
+        logger.info("greedy sampling fused into the step programs of token buckets <= %d",
+                    fused_greedy.max_tokens(model))
     if args.load_format == "dummy":
         params = dummy_params(model, args.seed)
     elif is_converted(args.model):

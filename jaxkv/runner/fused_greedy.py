@@ -12,7 +12,7 @@ stream then runs one program per token instead of three (the step, the gather of
 sampled rows, the sampler): on the 2-core CPU that saved ~2-3 ms of ~25 per token (each
 program boundary hands the work to another thread and restarts the weight stream) and ~1
 ms of host work. The tokens are the sampler's greedy ones exactly: the same LM head
-(LlamaModel.logits) on the same rows, then the same argmax (jaxkv/runner/sampler.py).
+(LlamaModel.logits) on the same rows, then the same argmax (sampler.argmax_tokens).
 
 Host side (`fusable`, `spans`): plain data; in the program (`greedy_tokens`): JAX.
 """
@@ -23,10 +23,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.models import cpu_linear
 from jaxkv.runner import sampler as smp
 from jaxkv.runner.sampling_rows import Span, needs_penalties
 
 ON = np.ones(1, np.int32)  # StepInput.fuse_greedy of a step that asks for the argmax
+
+
+def max_tokens(model) -> int:
+    """The largest token bucket whose step program fuses greedy sampling for LlamaModel
+    `model`: cpu_linear.MAX_ROWS_TRANSPOSED where its LM head is the C++ kernel's read of
+    the tied embedding table (the same in the step as in the sampler); 0 (none) otherwise."""
+    return cpu_linear.MAX_ROWS_TRANSPOSED if model.cpu_matmul and model.cfg.tie_word_embeddings else 0
 
 
 def plain_greedy(s) -> bool:
@@ -57,5 +65,5 @@ def greedy_tokens(logits_fn, hidden, step):
     idx = step.logits_indices
     return jax.lax.cond(
         step.fuse_greedy[0] > 0,
-        lambda h: jnp.argmax(logits_fn(h[idx]), axis=-1).astype(jnp.int32),
+        lambda h: smp.argmax_tokens(logits_fn(h[idx])),
         lambda h: jnp.zeros(idx.shape, jnp.int32), hidden)

@@ -59,10 +59,8 @@ class ModelRunner:
         # C++ kernel (LlamaModel.cpu_matmul); 0 when the model does not use it.
         self.cpu_matmul_max_rows = cpu_linear.MAX_ROWS if model.cpu_matmul else 0
         # Step programs of at most this many tokens also return a plain greedy step's argmax
-        # (jaxkv/runner/fused_greedy.py): those whose LM head is the kernel's read of the tied
-        # embedding table, the same in the step as in the sampler.
-        self.fused_greedy_max_tokens = (cpu_linear.MAX_ROWS_TRANSPOSED
-                                        if model.cpu_matmul and model.cfg.tie_word_embeddings else 0)
+        # (jaxkv/runner/fused_greedy.py).
+        self.fused_greedy_max_tokens = fg.max_tokens(model)
         self.num_fused_greedy_steps = 0  # steps dispatched that way (run-ahead ones included)
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
         self.num_blocks = cc.num_blocks

@@ -157,6 +157,12 @@ def apply_bitmask(logits, bitmask):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
+def argmax_tokens(logits):
+    """int32 [R]: each row's argmax of logits float32 [R, V] (the first on ties), the token of
+    a greedy row; the fused greedy step programs use this too (jaxkv/runner/fused_greedy.py)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, bitmask=None, *,
            mode: str, num_logprobs: int) -> SamplerOutput:
     """logits float32 [R, V] -> SamplerOutput. bitmask: structured outputs' allowed tokens,
@@ -168,7 +174,7 @@ def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, bitmask=N
         logits = apply_bitmask(logits, bitmask)
     if penalties is not None:
         logits = apply_penalties(logits, penalties)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = argmax_tokens(logits)
     if mode != "greedy":
         greedy = s.temperature < GREEDY_EPS
         t = jnp.where(greedy, 1.0, s.temperature)[:, None]
