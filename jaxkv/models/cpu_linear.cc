@@ -15,6 +15,9 @@
 // every row, read at ~19 GB/s on the 2-core Xeon; chunks at ~24); its partial sums go to a
 // scratch buffer, and the thread that finishes a group's last chunk adds them, in chunk
 // order, into y. A [N, K] weight's item is a block of kBlockRows rows, already contiguous.
+// One core reading one stream keeps too few lines in flight (~12 GB/s; 4 streams side by
+// side ~15, the 2 cores ~30 against ~24), so with 1 or 2 rows of x an item holds several
+// whole chunks read side by side, and a block's quarters are read side by side.
 //
 // Every output element is a sum in a fixed order (over each chunk's k in increasing order
 // with fused multiply-adds, then the chunks in order; in the transposed layout 16 lane sums
@@ -88,6 +91,7 @@ struct Item {
   int32_t len;  // rows in the block ([N, K]); unused for [K, N]
   int32_t g;    // the group ([K, N]); -1 for [N, K]
   int32_t k0;   // first row of the chunk ([K, N])
+  int32_t nch;  // chunks from k0 ([K, N]; 1, or several whole ones read side by side)
 };
 
 struct Work {
@@ -153,19 +157,69 @@ void chunk_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t 
     }
 }
 
-// y[r, n0 + i] = dot(x[r], W[n0 + i]) for i < NR (4 weight rows at once) and r < R: each
-// weight row is read once for the R rows of x, each chunk of x once for the NR weight rows.
+// chunk_rows for S whole chunks (kChunkRows rows each, the next chunk's rows right after this
+// chunk's) at once, the partial sums of chunk s at p + s * pstride: each chunk is summed in
+// the same order as chunk_rows sums it alone, but one core reads S streams side by side,
+// which keeps more lines in flight (a core summing 4 streams reads ~15 GB/s on the 2-core
+// Xeon, one stream ~12). S * R <= 4 keeps the broadcasts of x in registers.
+template <int R, int S>
+void chunks_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t len, float* p,
+                 int64_t pstride) {
+  static_assert(kChunkRows % 4 == 0, "whole groups of 4 rows");
+  const int64_t nv = len / 16, vend = nv * 16, cstride = kChunkRows * N;
+  for (int c = 0; c < S; ++c)
+    for (int r = 0; r < R; ++r) std::memset(p + c * pstride + r * len, 0, len * sizeof(float));
+  for (int64_t kk = 0; kk < kChunkRows; kk += 4, w += 4 * N) {
+    v16 xv[S][R][4];
+    for (int c = 0; c < S; ++c)
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) xv[c][r][i] = splat(x[r * ldx + c * kChunkRows + kk + i]);
+    const bool prefetch = kk + kPrefetchRows + 4 <= kChunkRows;
+    for (int64_t j = 0; j < nv; ++j)
+      for (int c = 0; c < S; ++c) {
+        const float* wc = w + c * cstride + 16 * j;
+        if (prefetch)
+          for (int i = 0; i < 4; ++i) __builtin_prefetch(wc + (kPrefetchRows + i) * N, 0, 2);
+        const v16 w0 = load16(wc), w1 = load16(wc + N), w2 = load16(wc + 2 * N),
+                  w3 = load16(wc + 3 * N);
+        for (int r = 0; r < R; ++r) {
+          float* pc = p + c * pstride + r * len + 16 * j;
+          v16 a = load16(pc);
+          a += xv[c][r][0] * w0;
+          a += xv[c][r][1] * w1;
+          a += xv[c][r][2] * w2;
+          a += xv[c][r][3] * w3;
+          store16(pc, a);
+        }
+      }
+    for (int64_t col = vend; col < len; ++col)
+      for (int c = 0; c < S; ++c)
+        for (int r = 0; r < R; ++r) {
+          float* pc = p + c * pstride + r * len + col;
+          float a = *pc;
+          for (int i = 0; i < 4; ++i)
+            a += x[r * ldx + c * kChunkRows + kk + i] * w[c * cstride + i * N + col];
+          *pc = a;
+        }
+  }
+}
+
+// y[r, n0 + i * gap] = dot(x[r], W[n0 + i * gap]) for i < NR and r < R: each weight row is
+// read once for the R rows of x, each chunk of x once for the NR weight rows. The NR rows are
+// gap rows apart, so that one core reads NR streams at once: the hardware prefetchers keep
+// more lines in flight for several streams than for one (a core summing 4 streams reads
+// ~15 GB/s on the 2-core Xeon, one stream ~12).
 template <int R, int NR>
-void dots_block(const float* x, int64_t K, const float* w, int64_t n0, float* y, int64_t ldy) {
+void dots_block(const float* x, int64_t K, const float* w, int64_t n0, int64_t gap, float* y,
+                int64_t ldy) {
   const int64_t kv = (K / 16) * 16;
   v16 acc[R][NR];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NR; ++i) acc[r][i] = v16{};
   const float* wr = w + n0 * K;
-  for (int i = 0; i < NR; ++i) __builtin_prefetch(wr + (NR + i) * K, 0, 3);
   for (int64_t kk = 0; kk < kv; kk += 16) {
     v16 wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = load16(wr + i * K + kk);
+    for (int i = 0; i < NR; ++i) wv[i] = load16(wr + i * gap * K + kk);
     for (int r = 0; r < R; ++r) {
       const v16 xv = load16(x + r * K + kk);
       for (int i = 0; i < NR; ++i) acc[r][i] += xv * wv[i];
@@ -174,32 +228,37 @@ void dots_block(const float* x, int64_t K, const float* w, int64_t n0, float* y,
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NR; ++i) {
       float s = hsum(acc[r][i]);
-      for (int64_t kk = kv; kk < K; ++kk) s += x[r * K + kk] * wr[i * K + kk];
-      y[r * ldy + n0 + i] = s;
+      for (int64_t kk = kv; kk < K; ++kk) s += x[r * K + kk] * wr[i * gap * K + kk];
+      y[r * ldy + n0 + i * gap] = s;
     }
 }
 
-// Rows [n0, n0 + len) of a [N, K] weight, for every row of x (in pairs).
+// Rows [n0, n0 + len) of a [N, K] weight, for every row of x (in pairs): the block's quarters
+// side by side (row n of each quarter at once, four streams), the rows past them one by one.
 void rows_block(const Work& w, const Weight& m, int64_t n0, int64_t len) {
-  const int64_t K = w.k;
+  const int64_t K = w.k, q = len / 4;
   for (int64_t r0 = 0; r0 < w.rows; r0 += 2) {
     const float* x = w.x + r0 * K;
     float* y = m.y + r0 * m.n;
     const bool two = r0 + 1 < w.rows;
-    int64_t n = n0;
-    for (; n + 4 <= n0 + len; n += 4)
-      two ? dots_block<2, 4>(x, K, m.w, n, y, m.n) : dots_block<1, 4>(x, K, m.w, n, y, m.n);
-    for (; n < n0 + len; ++n)
-      two ? dots_block<2, 1>(x, K, m.w, n, y, m.n) : dots_block<1, 1>(x, K, m.w, n, y, m.n);
+    for (int64_t n = n0; n < n0 + q; ++n)
+      two ? dots_block<2, 4>(x, K, m.w, n, q, y, m.n) : dots_block<1, 4>(x, K, m.w, n, q, y, m.n);
+    for (int64_t n = n0 + 4 * q; n < n0 + len; ++n)
+      two ? dots_block<2, 1>(x, K, m.w, n, 0, y, m.n) : dots_block<1, 1>(x, K, m.w, n, 0, y, m.n);
   }
 }
 
-// One chunk of a [K, N] weight's group: its partial sums, in row groups of up to 4 rows of x.
-void chunk_item(const Work& w, const Group& g, int64_t k0) {
+// Chunks k0 .. of a [K, N] weight's group (nch of them: several only when they are whole and
+// x has 1 or 2 rows, see streams()): their partial sums, in row groups of up to 4 rows of x.
+void chunk_item(const Work& w, const Group& g, int64_t k0, int64_t nch) {
   const Weight& m = w.weights[g.m];
   const int64_t K = w.k, klen = std::min(kChunkRows, K - k0);
   float* part = g.part + (k0 / kChunkRows) * w.rows * g.len;
   const float* wk = m.w + k0 * m.n + g.n0;
+  const int64_t pstride = w.rows * g.len;
+  if (nch == 4 && w.rows == 1) return chunks_rows<1, 4>(w.x + k0, K, wk, m.n, g.len, part, pstride);
+  if (nch == 2 && w.rows == 1) return chunks_rows<1, 2>(w.x + k0, K, wk, m.n, g.len, part, pstride);
+  if (nch == 2 && w.rows == 2) return chunks_rows<2, 2>(w.x + k0, K, wk, m.n, g.len, part, pstride);
   for (int64_t r0 = 0; r0 < w.rows; r0 += 4) {
     const float* x = w.x + r0 * K + k0;
     float* p = part + r0 * g.len;
@@ -211,6 +270,10 @@ void chunk_item(const Work& w, const Group& g, int64_t k0) {
     }
   }
 }
+
+// Chunks per item for x of `rows` rows: 4 streams per core for one row, 2 for two (S * R <= 4
+// in chunks_rows), else 1 (chunk_rows's 4-row groups).
+int64_t streams(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
 // y[r, n0 + c] = the group's partial sums added in chunk order (the group's last chunk done).
 void reduce_group(const Work& w, const Group& g) {
@@ -241,8 +304,8 @@ void run_items(Work& w) {
       rows_block(w, w.weights[it.m], it.n0, it.len);
     } else {
       Group& g = w.groups[it.g];
-      chunk_item(w, g, it.k0);
-      if (g.left.fetch_sub(1, std::memory_order_acq_rel) == 1) reduce_group(w, g);
+      chunk_item(w, g, it.k0, it.nch);
+      if (g.left.fetch_sub(it.nch, std::memory_order_acq_rel) == it.nch) reduce_group(w, g);
     }
   }
   if (finished) w.done.fetch_add(finished, std::memory_order_acq_rel);
@@ -290,7 +353,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
       for (int64_t n0 = 0; n0 < work->weights[m].n; n0 += kBlockRows)
         work->items.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n0),
                                static_cast<int32_t>(std::min(kBlockRows, work->weights[m].n - n0)),
-                               -1, 0});
+                               -1, 0, 0});
   } else {
     // Column groups of near-equal width (a multiple of 16 where the weight allows), each cut
     // into chunks of K; their partial sums in this thread's scratch buffer.
@@ -320,9 +383,15 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
         g.part = part;
         g.left.store(static_cast<int32_t>(chunks), std::memory_order_relaxed);
         part += chunks * work->rows * g.len;
-        for (int64_t k0 = 0; k0 < work->k; k0 += kChunkRows)
+        // Whole chunks in items of streams(rows) (the last ones, and a short last chunk,
+        // alone).
+        const int64_t per = streams(work->rows), whole = work->k / kChunkRows;
+        for (int64_t c = 0; c < chunks;) {
+          const int64_t nch = c + per <= whole ? per : 1;
           work->items.push_back({static_cast<int32_t>(m), 0, 0, static_cast<int32_t>(gi),
-                                 static_cast<int32_t>(k0)});
+                                 static_cast<int32_t>(c * kChunkRows), static_cast<int32_t>(nch)});
+          c += nch;
+        }
       }
     }
   }

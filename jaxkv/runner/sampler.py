@@ -158,9 +158,17 @@ def apply_bitmask(logits, bitmask):
 
 
 def argmax_tokens(logits):
-    """int32 [R]: each row's argmax of logits float32 [R, V] (the first on ties), the token of
-    a greedy row; the fused greedy step programs use this too (jaxkv/runner/fused_greedy.py)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """int32 [R]: each row's argmax of logits float32 [R, V], the token of a greedy row; the
+    fused greedy step programs use this too (jaxkv/runner/fused_greedy.py).
+
+    jnp.argmax's result exactly (the first index on ties; a NaN counts as the largest, the
+    first NaN wins), computed as the row's max and then the first index holding it: XLA:CPU
+    runs jnp.argmax as one (value, index) reduction that does not vectorize, 4.8 ms for
+    64 x 49152 logits on the 2-core Xeon where these two plain reductions take 1.5."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN when the row holds one
+    hit = (logits == top) | (jnp.isnan(logits) & jnp.isnan(top))
+    v = logits.shape[-1]
+    return jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
 def sample(logits, s: SamplingArrays, penalties: PenaltyArrays | None, bitmask=None, *,

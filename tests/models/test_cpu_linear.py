@@ -23,7 +23,7 @@ def test_kernel_builds_here():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (64, (1536,)), (37, (5, 70, 129)),
                                   (1536, (576,)), (16, (16, 17)),
-                                  (130, (2500, 3)), (64, (0, 5))])
+                                  (130, (2500, 3)), (64, (0, 5)), (300, (40, 33))])
 def test_matches_float64_product(rows, k, ns):
     rng = np.random.default_rng(rows * 1000 + k)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -51,13 +51,16 @@ def test_transposed_matches_float64_product(rows, n, k):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_row_does_not_depend_on_the_other_rows(transposed):
+    # K = 300: four whole 64-row chunks and a short one, so one and two rows read several
+    # chunks side by side (cpu_linear.cc's chunks_rows) where 8 rows read them one at a time;
+    # 300 table rows: a 256-row block read in quarters side by side, and a 44-row one.
     rng = np.random.default_rng(7)
-    w = jnp.asarray(rng.standard_normal((300, 200) if transposed else (200, 300)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((8, 200)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((300, 300) if transposed else (300, 260)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 300)), jnp.float32)
     (full,) = MATMUL(x, w, transposed=transposed)
-    for r in (0, 3, 7):
-        (alone,) = MATMUL(x[r:r + 1], w, transposed=transposed)
-        assert np.array_equal(np.asarray(alone)[0], np.asarray(full)[r])
+    for r, n in ((0, 1), (3, 1), (7, 1), (2, 2), (5, 3)):
+        (alone,) = MATMUL(x[r:r + n], w, transposed=transposed)
+        assert np.array_equal(np.asarray(alone), np.asarray(full)[r:r + n])
 
 
 def test_bad_input_is_refused():

@@ -205,3 +205,21 @@ def test_grammar_bitmask_keeps_exactly_the_set_bits():
         if mode == "greedy":
             np.testing.assert_array_equal(tok, np.where(allowed, logits, -np.inf).argmax(-1))
         assert np.isfinite(np.asarray(out.top_logprobs)).all()  # the model's own logprobs
+
+
+def test_argmax_tokens_is_jnp_argmax_on_ties_infinities_and_nans():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 300)).astype(np.float32)
+    x[1, [7, 40, 299]] = 9.0                 # ties: the first
+    x[2] = -np.inf                           # nothing but -inf: index 0
+    x[3, 123] = np.inf
+    x[4, [5, 250]] = np.nan                  # NaN counts as the largest: the first NaN
+    x[5, 17], x[5, 3] = np.inf, np.nan
+    x[6] = 0.0
+    x[6, 200] = -0.0                         # -0.0 == 0.0: still index 0
+    x[7, 299] = 50.0                         # the last column
+    x[8] = np.round(x[8])                    # many ties among small integers
+    got = np.asarray(smp.argmax_tokens(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got[:6], [int(np.argmax(x[0])), 7, 0, 123, 5, 3])
