@@ -11,14 +11,15 @@ shape, and these are timed (median of --reps calls after a warmup call):
   sample      runner.execute - forward - build_inputs, fused greedy sampling off: the
               sampled rows' logits, sampling and the transfer of the tokens back
   matmuls     every layer's 7 weight matmuls at the step's T rows (jitted alone), as the
-              model runs them: the cpu backend's C++ kernel for T <= 8, else XLA dots
+              model runs and chains them (each layer's input is the last one's output): the
+              cpu backend's C++ kernel for T <= 16, else XLA dots
   attention   one layer's attention at the step's shape (prepare once + attend), x num_layers
   gather      copying one layer's K and V blocks of the step's sequences (the floor of an
               attention that gathers before it computes, as XLA does)
   kv_write    one layer's slot-mapping K/V write, x num_layers
 Rooflines, measured here (benchmarks/roofline.py): memory bandwidth (a jitted sum over 256
-MiB) and matmul throughput (a jitted [T, hidden] x [hidden, intermediate] product at the
-step's T). matmul roofline = the step's matmul FLOPs / that throughput; attention roofline =
+MiB) and matmul throughput (8 independent [T, hidden] x [hidden, intermediate] products in one
+jitted program, at the step's T). matmul roofline = the step's matmul FLOPs / that throughput; attention roofline =
 the K/V bytes it must read / bandwidth; a single decode's roofline = the weight bytes /
 bandwidth (it is a weight read).
 
@@ -86,16 +87,18 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
             return cpu_linear.matmul(x, *ws)
         return [x @ w for w in ws]
 
-    def matmuls(params, h):
+    def matmuls(params, h):  # chained as the model chains them (tanh keeps h bounded)
         acc = 0.0
         for i in range(c.num_layers):
             lp = {k: v["kernel"] for k, v in params[f"layers_{i}"].items() if "kernel" in v}
             q, k, v = mm_group(h, lp["q_proj"], lp["k_proj"], lp["v_proj"])
             (o,) = mm_group(q, lp["o_proj"])
+            h = jnp.tanh(h + o)
             g, u = mm_group(h, lp["gate_proj"], lp["up_proj"])
             (d,) = mm_group(g * u, lp["down_proj"])
-            acc = acc + o.sum() + d.sum() + k.sum() + v.sum()
-        return acc
+            h = jnp.tanh(h + d)
+            acc = acc + k.sum() + v.sum()
+        return acc + h.sum()
     mm = jax.jit(matmuls)
     row["matmuls_ms"] = median_ms(lambda: mm(p, h), reps)
     flops = 2 * t * linear_params(c)

@@ -2,8 +2,10 @@
 
 Probes (jitted, median of `reps` calls after a warmup):
   memory_gbps     a sum over 256 MiB of float32: the read bandwidth a weight read can reach;
-  matmul_gflops   a [rows, hidden] x [hidden, intermediate] product: the GEMM throughput at a
-                  step's shape (rows = the step's token rows).
+  matmul_gflops   8 independent [rows, hidden] x [hidden, intermediate] products in one
+                  program: the GEMM throughput at a step's shape (rows = the step's token
+                  rows) with every core busy (one product alone runs on one core or on
+                  both, from call to call).
 FLOP model of a Llama-family decoder (float32, multiply-add = 2 FLOPs), per token computed:
   2 x (the weight matrices' parameters: q, k, v, o, gate, up, down of every layer)
   + 4 x context x num_heads x head_dim x num_layers (QK^T and PV over the token's context)
@@ -36,13 +38,18 @@ def memory_gbps(reps: int = 10) -> float:
     return x.nbytes / timed(jax.jit(lambda a: a.sum()), x, iters=reps)[1] / 1e9
 
 
-def matmul_gflops(rows: int, hidden: int, inter: int, reps: int = 10) -> float:
-    """GFLOP/s of a jitted float32 [rows, hidden] x [hidden, inter] product."""
+def matmul_gflops(rows: int, hidden: int, inter: int, reps: int = 10, products: int = 8) -> float:
+    """GFLOP/s of float32 [rows, hidden] x [hidden, inter] products: one jitted program of
+    `products` independent ones (distinct weights, results summed), which XLA:CPU runs side by
+    side on every core. One product alone is not the machine's throughput: XLA runs a
+    64-row product on one core or on both, from call to call (its median over 10 calls read
+    114-197 GFLOP/s on the 2-core Xeon, where 8 products read 235-250)."""
     import jax
     import jax.numpy as jnp
     a = jnp.ones((rows, hidden), jnp.float32)
-    b = jnp.ones((hidden, inter), jnp.float32)
-    return 2 * rows * hidden * inter / timed(jax.jit(lambda a, b: a @ b), a, b, iters=reps)[1] / 1e9
+    bs = [jnp.full((hidden, inter), 1.0 / (i + 1), jnp.float32) for i in range(products)]
+    f = jax.jit(lambda a, bs: sum((a @ b).sum() for b in bs))
+    return products * 2 * rows * hidden * inter / timed(f, a, bs, iters=reps)[1] / 1e9
 
 
 def linear_params(cfg) -> int:
