@@ -16,7 +16,7 @@
 // scratch buffer, and the thread that finishes a group's last chunk adds them, in chunk
 // order, into y. A [N, K] weight's item is a block of kBlockRows rows, already contiguous.
 // One core reading one stream keeps too few lines in flight (~12 GB/s; 4 streams side by
-// side ~15, the 2 cores ~30 against ~24), so with 1 or 2 rows of x an item holds several
+// side ~15, the 2 cores ~30 against ~24), so with 1 to 4 rows of x an item holds several
 // whole chunks read side by side, and a block's quarters are read side by side.
 //
 // Every output element is a sum in a fixed order (over each chunk's k in increasing order
@@ -80,7 +80,7 @@ struct Weight {
 struct Group {
   int32_t m = 0;           // which weight
   int32_t n0 = 0, len = 0; // its columns
-  int32_t chunks = 0;      // chunks of K, each one item
+  int32_t chunks = 0;      // chunks of K (an item holds one, or several whole ones)
   float* part = nullptr;   // [chunks, rows, len] partial sums
   std::atomic<int32_t> left{0};
 };

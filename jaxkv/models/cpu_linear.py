@@ -3,7 +3,7 @@
 A step of a few rows (a decode of a few sequences; the sampler's LM head on its rows) only
 reads the weights: on XLA:CPU each such dot runs on one thread (~14 GB/s on the 2-core
 machine) where the kernel streams every weight from memory once with all cores, in
-contiguous chunks of rows, several side by side for one or two rows (~26-29 GB/s; a chunk is
+contiguous chunks of rows, several side by side for one to four rows (~26-29 GB/s; a chunk is
 read again from cache for each further group of 4 rows, 2 when transposed), and one call takes
 the several weights of one input (q/k/v, gate/up). The model uses it (LlamaModel.
 cpu_matmul) for float32 weights, steps of at most MAX_ROWS rows, without tensor parallelism;

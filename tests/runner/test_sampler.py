@@ -1,6 +1,7 @@
 """The on-device sampler on small logits: penalties against a numpy reference, filtering,
 seeds, and logprob ranks."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -223,3 +224,13 @@ def test_argmax_tokens_is_jnp_argmax_on_ties_infinities_and_nans():
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     np.testing.assert_array_equal(got[:6], [int(np.argmax(x[0])), 7, 0, 123, 5, 3])
+    # Rows of the vocabulary's size, where XLA:CPU's vectorized float max drops NaNs.
+    big = rng.standard_normal((4, 49152)).astype(np.float32)
+    big[0, 999] = np.nan                     # a NaN among ordinary logits
+    big[1] = np.nan                          # nothing but NaN: index 0, never the vocab size
+    big[2, [4096, 30000]] = np.inf           # +inf ties
+    big[3, 1] = np.nan
+    big[3, 5] = np.inf                       # NaN beats +inf
+    got = np.asarray(jax.jit(smp.argmax_tokens)(jnp.asarray(big)))
+    np.testing.assert_array_equal(got, [999, 0, 4096, 1])
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(big), axis=-1)))
