@@ -104,81 +104,31 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// Partial sums of one chunk of a [K, N] weight: p[r, c] = sum over the chunk's klen rows k (in
-// increasing order) of x[r, k] * w[k, c] for c < len, r < R. The chunk's rows are read one
-// after the other, each a contiguous run of len columns (the whole chunk is one contiguous
-// block when len = N), four at a time; the partial sums stay in p (L1).
-template <int R>
-void chunk_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t klen,
-                int64_t len, float* p) {
-  const int64_t nv = len / 16, vend = nv * 16;
-  for (int r = 0; r < R; ++r) std::memset(p + r * len, 0, len * sizeof(float));
-  int64_t kk = 0;
-  for (; kk + 4 <= klen; kk += 4, w += 4 * N) {
-    v16 x0[R], x1[R], x2[R], x3[R];
-    for (int r = 0; r < R; ++r) {
-      x0[r] = splat(x[r * ldx + kk]);
-      x1[r] = splat(x[r * ldx + kk + 1]);
-      x2[r] = splat(x[r * ldx + kk + 2]);
-      x3[r] = splat(x[r * ldx + kk + 3]);
-    }
-    const bool prefetch = kk + kPrefetchRows + 4 <= klen;
-    for (int64_t j = 0; j < nv; ++j) {
-      if (prefetch)  // into L2, two groups of 4 rows ahead (+15% at 4 rows of x)
-        for (int i = 0; i < 4; ++i) __builtin_prefetch(w + (kPrefetchRows + i) * N + 16 * j, 0, 2);
-      const v16 w0 = load16(w + 16 * j), w1 = load16(w + N + 16 * j),
-                w2 = load16(w + 2 * N + 16 * j), w3 = load16(w + 3 * N + 16 * j);
-      for (int r = 0; r < R; ++r) {
-        v16 a = load16(p + r * len + 16 * j);
-        a += x0[r] * w0;
-        a += x1[r] * w1;
-        a += x2[r] * w2;
-        a += x3[r] * w3;
-        store16(p + r * len + 16 * j, a);
-      }
-    }
-    for (int64_t c = vend; c < len; ++c)
-      for (int r = 0; r < R; ++r) {
-        float a = p[r * len + c];
-        for (int i = 0; i < 4; ++i) a += x[r * ldx + kk + i] * w[i * N + c];
-        p[r * len + c] = a;
-      }
-  }
-  for (; kk < klen; ++kk, w += N)
-    for (int r = 0; r < R; ++r) {
-      const float xs = x[r * ldx + kk];
-      const v16 xv = splat(xs);
-      for (int64_t j = 0; j < nv; ++j) {
-        v16 a = load16(p + r * len + 16 * j);
-        a += xv * load16(w + 16 * j);
-        store16(p + r * len + 16 * j, a);
-      }
-      for (int64_t c = vend; c < len; ++c) p[r * len + c] += xs * w[c];
-    }
-}
-
-// chunk_rows for S whole chunks (kChunkRows rows each, the next chunk's rows right after this
-// chunk's) at once, the partial sums of chunk s at p + s * pstride: each chunk is summed in
-// the same order as chunk_rows sums it alone, but one core reads S streams side by side,
-// which keeps more lines in flight (a core summing 4 streams reads ~15 GB/s on the 2-core
-// Xeon, one stream ~12).
+// Partial sums of S chunks of a [K, N] weight, each of klen rows (klen = kChunkRows when S > 1;
+// chunk c's rows right after chunk c - 1's): p[c * pstride + r * len + col] = the sum over
+// chunk c's rows k, in increasing order, of x[r, k] * w[k, col] for col < len, r < R. A
+// chunk's rows are read one after the other, each a contiguous run of len columns (the whole
+// chunk is one contiguous block when len = N), four at a time; the partial sums stay in p
+// (L1). With S > 1 one core reads S streams side by side, which keeps more lines in flight
+// (a core summing 4 streams reads ~15 GB/s on the 2-core Xeon, one stream ~12); each chunk's
+// sums are the same, in the same order, as when it is read alone.
 template <int R, int S>
-void chunks_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t len, float* p,
-                 int64_t pstride) {
-  static_assert(kChunkRows % 4 == 0, "whole groups of 4 rows");
-  const int64_t nv = len / 16, vend = nv * 16, cstride = kChunkRows * N;
+void chunks_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t klen,
+                 int64_t len, float* p, int64_t pstride) {
+  const int64_t nv = len / 16, vend = nv * 16, cstride = klen * N;
   for (int c = 0; c < S; ++c)
     for (int r = 0; r < R; ++r) std::memset(p + c * pstride + r * len, 0, len * sizeof(float));
-  for (int64_t kk = 0; kk < kChunkRows; kk += 4, w += 4 * N) {
+  int64_t kk = 0;
+  for (; kk + 4 <= klen; kk += 4, w += 4 * N) {
     v16 xv[S][R][4];
     for (int c = 0; c < S; ++c)
       for (int r = 0; r < R; ++r)
-        for (int i = 0; i < 4; ++i) xv[c][r][i] = splat(x[r * ldx + c * kChunkRows + kk + i]);
-    const bool prefetch = kk + kPrefetchRows + 4 <= kChunkRows;
+        for (int i = 0; i < 4; ++i) xv[c][r][i] = splat(x[r * ldx + c * klen + kk + i]);
+    const bool prefetch = kk + kPrefetchRows + 4 <= klen;
     for (int64_t j = 0; j < nv; ++j)
       for (int c = 0; c < S; ++c) {
         const float* wc = w + c * cstride + 16 * j;
-        if (prefetch)
+        if (prefetch)  // into L2, two groups of 4 rows ahead (+15% at 4 rows of x)
           for (int i = 0; i < 4; ++i) __builtin_prefetch(wc + (kPrefetchRows + i) * N, 0, 2);
         const v16 w0 = load16(wc), w1 = load16(wc + N), w2 = load16(wc + 2 * N),
                   w3 = load16(wc + 3 * N);
@@ -198,10 +148,20 @@ void chunks_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t
           float* pc = p + c * pstride + r * len + col;
           float a = *pc;
           for (int i = 0; i < 4; ++i)
-            a += x[r * ldx + c * kChunkRows + kk + i] * w[c * cstride + i * N + col];
+            a += x[r * ldx + c * klen + kk + i] * w[c * cstride + i * N + col];
           *pc = a;
         }
   }
+  for (; kk < klen; ++kk, w += N)  // a short chunk's last rows (S = 1 only: whole chunks
+    for (int c = 0; c < S; ++c)     // have a multiple of 4)
+      for (int r = 0; r < R; ++r) {
+        const float xs = x[r * ldx + c * klen + kk];
+        const v16 xc = splat(xs);
+        float* pc = p + c * pstride + r * len;
+        const float* wc = w + c * cstride;
+        for (int64_t j = 0; j < nv; ++j) store16(pc + 16 * j, load16(pc + 16 * j) + xc * load16(wc + 16 * j));
+        for (int64_t col = vend; col < len; ++col) pc[col] += xs * wc[col];
+      }
 }
 
 // y[r, n0 + i * gap] = dot(x[r], W[n0 + i * gap]) for i < NR and r < R: each weight row is
@@ -248,6 +208,18 @@ void rows_block(const Work& w, const Weight& m, int64_t n0, int64_t len) {
   }
 }
 
+// chunks_rows for a group of R (1-4) rows of x.
+template <int S>
+void chunks_row_group(int64_t R, const float* x, int64_t ldx, const float* w, int64_t N,
+                      int64_t klen, int64_t len, float* p, int64_t pstride) {
+  switch (R) {
+    case 1: return chunks_rows<1, S>(x, ldx, w, N, klen, len, p, pstride);
+    case 2: return chunks_rows<2, S>(x, ldx, w, N, klen, len, p, pstride);
+    case 3: return chunks_rows<3, S>(x, ldx, w, N, klen, len, p, pstride);
+    default: return chunks_rows<4, S>(x, ldx, w, N, klen, len, p, pstride);
+  }
+}
+
 // Chunks k0 .. of a [K, N] weight's group (nch of them: several only when they are whole and
 // x has at most 4 rows, see streams()): their partial sums, in row groups of up to 4 rows.
 void chunk_item(const Work& w, const Group& g, int64_t k0, int64_t nch) {
@@ -256,26 +228,13 @@ void chunk_item(const Work& w, const Group& g, int64_t k0, int64_t nch) {
   float* part = g.part + (k0 / kChunkRows) * w.rows * g.len;
   const float* wk = m.w + k0 * m.n + g.n0;
   const int64_t pstride = w.rows * g.len;
-  if (nch == 4) return chunks_rows<1, 4>(w.x + k0, K, wk, m.n, g.len, part, pstride);
+  if (nch == 4) return chunks_rows<1, 4>(w.x + k0, K, wk, m.n, klen, g.len, part, pstride);
   for (int64_t r0 = 0; r0 < w.rows; r0 += 4) {
     const float* x = w.x + r0 * K + k0;
     float* p = part + r0 * g.len;
     const int64_t R = std::min<int64_t>(4, w.rows - r0);
-    if (nch == 2) {
-      switch (R) {
-        case 1: chunks_rows<1, 2>(x, K, wk, m.n, g.len, p, pstride); break;
-        case 2: chunks_rows<2, 2>(x, K, wk, m.n, g.len, p, pstride); break;
-        case 3: chunks_rows<3, 2>(x, K, wk, m.n, g.len, p, pstride); break;
-        default: chunks_rows<4, 2>(x, K, wk, m.n, g.len, p, pstride);
-      }
-      continue;
-    }
-    switch (R) {
-      case 1: chunk_rows<1>(x, K, wk, m.n, klen, g.len, p); break;
-      case 2: chunk_rows<2>(x, K, wk, m.n, klen, g.len, p); break;
-      case 3: chunk_rows<3>(x, K, wk, m.n, klen, g.len, p); break;
-      default: chunk_rows<4>(x, K, wk, m.n, klen, g.len, p);
-    }
+    if (nch == 2) chunks_row_group<2>(R, x, K, wk, m.n, klen, g.len, p, pstride);
+    else chunks_row_group<1>(R, x, K, wk, m.n, klen, g.len, p, pstride);
   }
 }
 
