@@ -21,9 +21,10 @@ Array = jax.Array | np.ndarray
 
 @dataclasses.dataclass(frozen=True)
 class StepInput:
-    """All int32. T = token bucket, R = sequence rows (min(T, max_num_seqs)), B = blocks of a
-    max_model_len sequence. Padding token rows: id 0, position 0, slot 0 (the null block);
-    padding sequence rows: seq_len 0, table entries 0, query_start_loc repeating the end."""
+    """int32 but for the rotary tables. T = token bucket, R = sequence rows (min(T,
+    max_num_seqs)), B = blocks of a max_model_len sequence, D = head_dim. Padding token rows:
+    id 0, position 0, slot 0 (the null block); padding sequence rows: seq_len 0, table entries
+    0, query_start_loc repeating the end."""
     input_ids: Array        # [T] token ids of this step's query rows
     positions: Array        # [T] absolute position of each row
     slot_mapping: Array     # [T] slot = block_id * block_size + offset where the row's K/V goes
@@ -32,6 +33,11 @@ class StepInput:
     query_start_loc: Array  # [R + 1] first row of each sequence; cumulative query lengths
     num_seqs: Array         # [1] real sequence rows
     logits_indices: Array   # [R] each sequence's last row (the one sampled)
+    # float32 [T, D / 2]: cos and sin of each row's position x the model's RoPE inverse
+    # frequencies, computed on the host (inside the step XLA:CPU fused cos/sin into every
+    # layer's RoPE and recomputed them for each head: 4-5 ms of a 64-sequence decode step)
+    rope_cos: Array
+    rope_sin: Array
     # [1]: 1 = the program also returns the argmax of each sequence's last row's logits
     # (fused greedy sampling, in the programs of the smallest buckets); 0 = it skips that
     fuse_greedy: Array = dataclasses.field(default_factory=lambda: np.zeros(1, np.int32))

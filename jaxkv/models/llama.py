@@ -48,10 +48,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x, cos, sin):
-    """x [T, heads, D]; cos/sin [T, D] (the half-frequencies repeated), rotate-half convention."""
+    """x [T, heads, D]; cos/sin float32 [T, D / 2] (StepInput.rope_cos / rope_sin): rotate-half
+    RoPE as transformers' apply_rotary_pos_emb, x1 * cos - x2 * sin and x2 * cos + x1 * sin
+    for the halves x1, x2 of each head (each half contiguous, so XLA vectorizes it)."""
     half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x.astype(jnp.float32) * cos[:, None] + rot.astype(jnp.float32) * sin[:, None]).astype(x.dtype)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, None], sin[:, None]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -152,13 +155,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, self.dtype, name="lm_head")
-        self.inv_freq = rope_inv_freq(c)
 
     def __call__(self, step: StepInput, kv):
         x = self.embed_tokens(step.input_ids)
-        freqs = step.positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq)[None]
-        emb = jnp.concatenate([freqs, freqs], axis=-1)
-        rope = (jnp.cos(emb), jnp.sin(emb))
+        rope = (step.rope_cos, step.rope_sin)  # from the host: see StepInput
         carry = (x, kv)
         shared = self.attention.prepare(step, kv.k.shape[2])  # once per step, for every layer
         for i, layer in enumerate(self.layers):

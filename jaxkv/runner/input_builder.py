@@ -8,12 +8,23 @@ from jaxkv.core.scheduler_output import SchedulerOutput
 from jaxkv.step_input import StepInput
 
 
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), float32 [T, D / 2], of positions [T] x inv_freq [D / 2] (float32): the angle
+    is the float32 product, as transformers' rotary embedding computes it, and its cos and
+    sin are evaluated in float64 and rounded to float32."""
+    angles = (positions.astype(np.float32)[:, None] * inv_freq[None].astype(np.float32))
+    angles = angles.astype(np.float64)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
 def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, rows: int,
-                     max_blocks: int, mark_decode_only: bool = False) -> StepInput:
-    """The padded int32 arrays of `out` (shapes in StepInput: T = num_tokens, R = rows,
-    B = max_blocks). `mark_decode_only`: set StepInput.decode_only when every scheduled
-    sequence has exactly one query token (only for attention backends that use it: each
-    value is a program of its own)."""
+                     max_blocks: int, rope_inv_freq: np.ndarray,
+                     mark_decode_only: bool = False) -> StepInput:
+    """The padded arrays of `out` (shapes in StepInput: T = num_tokens, R = rows,
+    B = max_blocks; the rotary tables from `rope_inv_freq`, float32 [head_dim / 2], the
+    model's). `mark_decode_only`: set StepInput.decode_only when every scheduled sequence has
+    exactly one query token (only for attention backends that use it: each value is a
+    program of its own)."""
     i32 = np.int32
     ids = np.zeros(num_tokens, i32)
     pos = np.zeros(num_tokens, i32)
@@ -37,5 +48,6 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
         logits_idx[s] = t - 1
     qsl[len(out.scheduled) + 1:] = t
     decode_only = mark_decode_only and all(s.num_scheduled_tokens == 1 for s in out.scheduled)
+    cos, sin = rope_tables(pos, rope_inv_freq)
     return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([len(out.scheduled)], i32),
-                     logits_idx, np.zeros(1, i32), decode_only=decode_only)
+                     logits_idx, cos, sin, np.zeros(1, i32), decode_only=decode_only)

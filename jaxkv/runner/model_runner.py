@@ -26,7 +26,7 @@ from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models import cpu_linear
-from jaxkv.models.llama import LlamaModel
+from jaxkv.models.llama import LlamaModel, rope_inv_freq
 from jaxkv.runner import fused_greedy as fg
 from jaxkv.runner import lookahead as la
 from jaxkv.runner import sampler as smp
@@ -52,6 +52,7 @@ class ModelRunner(RunnerSampling):
         self.block_size, self.max_model_len = cc.block_size, config.max_model_len
         self.max_num_seqs, self.token_buckets = config.scheduler.max_num_seqs, rc.token_buckets
         self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.rope_inv_freq = rope_inv_freq(model.cfg)  # the host's rotary tables (StepInput)
         self.max_logprobs = rc.max_logprobs
         spec = config.speculative
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
@@ -164,6 +165,7 @@ class ModelRunner(RunnerSampling):
         t = self.pick_bucket(out) if bucket is None else bucket
         return build_step_input(out, block_size=self.block_size, num_tokens=t,
                                 rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
+                                rope_inv_freq=self.rope_inv_freq,
                                 mark_decode_only=self.mark_decode_only)
 
     def forward(self, step: StepInput) -> jax.Array:

@@ -233,7 +233,7 @@ def test_int8_rotation_is_exact_in_float_and_helps_int8():
     step = StepInput(input_ids=i32(np.zeros(8)), positions=i32(np.arange(8)),
                      slot_mapping=i32(np.arange(4, 12)), block_tables=i32([[1, 2]]),
                      seq_lens=i32([8]), query_start_loc=i32([0, 8]), num_seqs=i32([1]),
-                     logits_indices=i32([7]))
+                     logits_indices=i32([7]), rope_cos=jnp.ones((8, 8)), rope_sin=jnp.zeros((8, 8)))
     att = get_attention("xla")
     outs = {dt: write_and_attend(att, q, k, v, pool, step, att.prepare(step, 4), layer=0,
                                  scale=0.25) for dt, pool in pools.items()}
