@@ -20,7 +20,8 @@ class RunnerSampling:
     # ---- jitted bodies ------------------------------------------------------------------
     def _sample_rows(self, params, hidden_rows, s, pen, bitmask, *, mode, num_logprobs):
         logits = self._logits(params, hidden_rows)
-        return smp.sample(logits, s, pen, bitmask, mode=mode, num_logprobs=num_logprobs)
+        return smp.sample(logits, s, pen, bitmask, mode=mode, num_logprobs=num_logprobs,
+                          cpu=self.model.cpu_matmul)
 
     def _prompt_logprobs(self, params, hidden, targets, *, num_logprobs):
         return smp.prompt_logprobs(self._logits(params, hidden), targets, num_logprobs=num_logprobs)

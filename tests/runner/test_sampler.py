@@ -1,9 +1,12 @@
 """The on-device sampler on small logits: penalties against a numpy reference, filtering,
 seeds, and logprob ranks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv.runner import sampler as smp
 
@@ -208,7 +211,9 @@ def test_grammar_bitmask_keeps_exactly_the_set_bits():
         assert np.isfinite(np.asarray(out.top_logprobs)).all()  # the model's own logprobs
 
 
-def test_argmax_tokens_is_jnp_argmax_on_ties_infinities_and_nans():
+@pytest.mark.parametrize("cpu", [False, True], ids=["xla", "cpu_kernel"])
+def test_argmax_tokens_is_jnp_argmax_on_ties_infinities_and_nans(cpu):
+    argmax = jax.jit(functools.partial(smp.argmax_tokens, cpu=cpu))
     rng = np.random.default_rng(3)
     x = rng.standard_normal((9, 300)).astype(np.float32)
     x[1, [7, 40, 299]] = 9.0                 # ties: the first
@@ -220,7 +225,7 @@ def test_argmax_tokens_is_jnp_argmax_on_ties_infinities_and_nans():
     x[6, 200] = -0.0                         # -0.0 == 0.0: still index 0
     x[7, 299] = 50.0                         # the last column
     x[8] = np.round(x[8])                    # many ties among small integers
-    got = np.asarray(smp.argmax_tokens(jnp.asarray(x)))
+    got = np.asarray(argmax(jnp.asarray(x)))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     np.testing.assert_array_equal(got[:6], [int(np.argmax(x[0])), 7, 0, 123, 5, 3])
@@ -231,6 +236,12 @@ def test_argmax_tokens_is_jnp_argmax_on_ties_infinities_and_nans():
     big[2, [4096, 30000]] = np.inf           # +inf ties
     big[3, 1] = np.nan
     big[3, 5] = np.inf                       # NaN beats +inf
-    got = np.asarray(jax.jit(smp.argmax_tokens)(jnp.asarray(big)))
+    got = np.asarray(argmax(jnp.asarray(big)))
     np.testing.assert_array_equal(got, [999, 0, 4096, 1])
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(big), axis=-1)))
+    # Widths around the kernel's 16 lanes (a tail after them, or only a tail), one row to 65.
+    for r, v in ((1, 1), (3, 15), (65, 16), (2, 17), (5, 33), (7, 4097)):
+        y = np.round(rng.standard_normal((r, v)) * 2).astype(np.float32)  # many ties
+        y[rng.random(y.shape) < 0.02] = np.nan
+        np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(y))),
+                                      np.asarray(jnp.argmax(jnp.asarray(y), axis=-1)), f"{r}x{v}")
