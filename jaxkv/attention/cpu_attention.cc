@@ -231,20 +231,24 @@ inline v16 reduce16(const v16* p) {
   return __builtin_shuffle(y[0], y[1], lo4) + __builtin_shuffle(y[0], y[1], hi4);
 }
 
+// Lane i + w added to (or maxed with) lane i, for w = 8, 4, 2, 1: the same pairwise order as
+// a scalar loop over the lanes, in four shuffles (GCC kept the scalar loop on the stack).
+inline v16 fold16(v16 v, int w) {
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return __builtin_shuffle(v, (lane + w) & 15);
+}
+
 inline float hmax16(v16 v) {  // a fixed pairwise order
-  float h[16];
-  store16(h, v);
-  for (int w = 8; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) h[i] = std::max(h[i], h[i + w]);
-  return h[0];
+  for (int w = 8; w > 0; w /= 2) {
+    const v16 u = fold16(v, w);
+    v = u > v ? u : v;
+  }
+  return v[0];
 }
 
 inline float hsum16(v16 v) {  // a fixed pairwise order
-  float h[16];
-  store16(h, v);
-  for (int w = 8; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) h[i] += h[i + w];
-  return h[0];
+  for (int w = 8; w > 0; w /= 2) v += fold16(v, w);
+  return v[0];
 }
 
 // softmax_tile on a tile's 16 scores in one vector, keys vis .. 15 masked; the weights go to
@@ -515,6 +519,50 @@ void attend_keys(const Args& a, const Item& it) {
   store_out(a, it, acc, l, nq);
 }
 
+// S^T = K Q^T for the rows path: st[j * kMaxQRows + i] = dot(key row j, query row i) for the
+// tile's nt keys, qt = Q^T [D][kMaxQRows]. A key's d-th value is broadcast against the rows'
+// d-th query values, four keys at a time (eight independent accumulators). Kept out of line:
+// inlined into attend_rows, GCC held the softmax's constants in registers across this loop
+// and spilled an accumulator to the stack, a store-to-load chain on every step of d.
+__attribute__((noinline)) void scores_rows(const float* qt, const float* const* krow,
+                                           int64_t nt, int64_t D, float* st) {
+  constexpr int R = kMaxQRows;
+  int64_t j = 0;
+  for (; j + 4 <= nt; j += 4) {
+    v16 a0 = {}, a1 = {}, b0 = {}, b1 = {}, c0 = {}, c1 = {}, e0 = {}, e1 = {};
+    const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
+    for (int64_t d = 0; d < D; ++d) {
+      const v16 q0 = load16(qt + d * R), q1 = load16(qt + d * R + 16);
+      a0 += k0[d] * q0;
+      a1 += k0[d] * q1;
+      b0 += k1[d] * q0;
+      b1 += k1[d] * q1;
+      c0 += k2[d] * q0;
+      c1 += k2[d] * q1;
+      e0 += k3[d] * q0;
+      e1 += k3[d] * q1;
+    }
+    store16(st + j * R, a0);
+    store16(st + j * R + 16, a1);
+    store16(st + (j + 1) * R, b0);
+    store16(st + (j + 1) * R + 16, b1);
+    store16(st + (j + 2) * R, c0);
+    store16(st + (j + 2) * R + 16, c1);
+    store16(st + (j + 3) * R, e0);
+    store16(st + (j + 3) * R + 16, e1);
+  }
+  for (; j < nt; ++j) {
+    v16 a0 = {}, a1 = {};
+    const float* k0 = krow[j];
+    for (int64_t d = 0; d < D; ++d) {
+      a0 += k0[d] * load16(qt + d * R);
+      a1 += k0[d] * load16(qt + d * R + 16);
+    }
+    store16(st + j * R, a0);
+    store16(st + j * R + 16, a1);
+  }
+}
+
 // The rows path, for items with many query rows of one KV head (prefill chunks, prompt
 // tails): rows row0 .. row0+rows-1 of sequence `seq`, KV head kh0, Q-tile row i = row * G + g,
 // at most kMaxQRows. Q is transposed once (qt[d * kMaxQRows + i]), so the query rows sit in
@@ -554,42 +602,7 @@ void attend_rows(const Args& a, const Item& it) {
   for (int64_t t0 = 0; t0 < sp.n_keys; t0 += kKeyTile) {
     const int64_t nt = std::min<int64_t>(kKeyTile, sp.n_keys - t0);
     tile_rows(a, sp, t0, nt, it.kh0, 1, kbuf, vbuf, krow, vrow);
-    // S^T = K Q^T: a key's d-th value broadcast against the rows' d-th query values, four
-    // keys at a time (eight independent accumulators).
-    int64_t j = 0;
-    for (; j + 4 <= nt; j += 4) {
-      v16 a0 = {}, a1 = {}, b0 = {}, b1 = {}, c0 = {}, c1 = {}, e0 = {}, e1 = {};
-      const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
-      for (int64_t d = 0; d < D; ++d) {
-        const v16 q0 = load16(qt + d * R), q1 = load16(qt + d * R + 16);
-        a0 += k0[d] * q0;
-        a1 += k0[d] * q1;
-        b0 += k1[d] * q0;
-        b1 += k1[d] * q1;
-        c0 += k2[d] * q0;
-        c1 += k2[d] * q1;
-        e0 += k3[d] * q0;
-        e1 += k3[d] * q1;
-      }
-      store16(st + j * R, a0);
-      store16(st + j * R + 16, a1);
-      store16(st + (j + 1) * R, b0);
-      store16(st + (j + 1) * R + 16, b1);
-      store16(st + (j + 2) * R, c0);
-      store16(st + (j + 2) * R + 16, c1);
-      store16(st + (j + 3) * R, e0);
-      store16(st + (j + 3) * R + 16, e1);
-    }
-    for (; j < nt; ++j) {
-      v16 a0 = {}, a1 = {};
-      const float* k0 = krow[j];
-      for (int64_t d = 0; d < D; ++d) {
-        a0 += k0[d] * load16(qt + d * R);
-        a1 += k0[d] * load16(qt + d * R + 16);
-      }
-      store16(st + j * R, a0);
-      store16(st + j * R + 16, a1);
-    }
+    scores_rows(qt, krow, nt, D, st);
     // Online softmax across the rows (two vectors of sixteen); key t0+j is visible to row i
     // iff t0+j < lim[i].
     const v16 lim0 = load16(lim), lim1 = load16(lim + 16);
