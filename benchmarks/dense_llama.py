@@ -8,7 +8,8 @@ for the baselines of kv_strategies.py: no paging, [batch, tokens] at a time, gre
       kv_heads, head_dim], donated, written with dynamic_update_slice; prompts left-padded;
       decode(span=S) attends over slots [0, S) only (S static: one program per span).
 The layer math is the engine's: same RMSNorm (float32), rotate-half RoPE (jaxkv's apply_rope
-and rope_inv_freq), grouped-query attention, SwiGLU, tied logits (LlamaModel.logits).
+on the engine's host tables, input_builder.rope_tables, looked up by position), grouped-query
+attention, SwiGLU, tied logits (LlamaModel.logits).
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ class Dense:
     """The engine's Llama weights run densely: [batch, tokens] at a time, no paging."""
 
     def __init__(self, model, params):
+        import numpy as np
+
         from jaxkv.models.llama import apply_rope, rope_inv_freq
+        from jaxkv.runner.input_builder import rope_tables
         self.c, self.model, self.params, self.rope = model.cfg, model, params, apply_rope
-        self.inv = jnp.asarray(rope_inv_freq(model.cfg))
+        # cos / sin [max_position_embeddings, head_dim / 2]: the same values as the engine's
+        cos, sin = rope_tables(np.arange(model.cfg.max_position_embeddings), rope_inv_freq(model.cfg))
+        self.cos, self.sin = jnp.asarray(cos), jnp.asarray(sin)
         self.stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[
             params[f"layers_{i}"] for i in range(model.cfg.num_layers)])
         self.naive = jax.jit(self._naive)
@@ -58,9 +64,8 @@ class Dense:
         return x + self._lin(p["down_proj"], jax.nn.silu(self._lin(p["gate_proj"], h)) * self._lin(p["up_proj"], h))
 
     def _embed(self, params, ids, pos):
-        f = pos.reshape(-1).astype(jnp.float32)[:, None] * self.inv[None]
-        f = jnp.concatenate([f, f], -1)
-        return params["embed_tokens"]["embedding"][ids], jnp.cos(f), jnp.sin(f)
+        pos = pos.reshape(-1)
+        return params["embed_tokens"]["embedding"][ids], self.cos[pos], self.sin[pos]
 
     def _run(self, params, ids, pos, attend, state):
         """Layers unrolled (as the engine's model); attend(layer, q, k, v, state) -> (out, state)."""

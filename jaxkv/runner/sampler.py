@@ -168,8 +168,9 @@ def argmax_tokens(logits, *, cpu: bool = False):
     int32 key in the floats' order (NaN above +inf), the row's largest key, then the first
     index holding it. XLA:CPU runs jnp.argmax as one (value, index) reduction that does not
     vectorize: 4.8 ms for 64 x 49152 logits on the 2-core Xeon. (A float max is no shortcut:
-    XLA:CPU's vectorized max drops NaNs in rows of 4096 or more.) With `cpu` (the cpu
-    backend's sampler programs) the same keys in one pass, per row, by jaxkv's C++ kernel
+    XLA:CPU's vectorized max drops NaNs in rows of 4096 or more.) With `cpu` (the sampler
+    programs of a model with LlamaModel.cpu_matmul: the cpu backend, float32 weights, one
+    device) the same keys in one pass, per row, by jaxkv's C++ kernel
     (jaxkv/runner/cpu_argmax.cc): 2.4-3.7 -> ~0.4 ms at 64 x 49152. Raises RuntimeError if
     that kernel is asked for and cannot be built."""
     if cpu:
