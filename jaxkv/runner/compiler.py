@@ -55,7 +55,7 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
     r = num_rows(t, runner.max_num_seqs)
     empty = SchedulerOutput([])
     si = build_step_input(empty, block_size=runner.block_size, num_tokens=t, rows=r,
-                          max_blocks=runner.max_blocks, rope_inv_freq=runner.rope_inv_freq)
+                          max_blocks=runner.max_blocks, rope_table=runner.rope_table)
     tp = getattr(runner, "mesh", None) is not None
     params = abstract(runner.params, tp)
     for decode_only in ((False, True) if t <= runner.decode_max else (False,)):

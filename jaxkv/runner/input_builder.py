@@ -18,13 +18,15 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray
 
 
 def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, rows: int,
-                     max_blocks: int, rope_inv_freq: np.ndarray,
+                     max_blocks: int, rope_table: tuple[np.ndarray, np.ndarray],
                      mark_decode_only: bool = False) -> StepInput:
     """The padded arrays of `out` (shapes in StepInput: T = num_tokens, R = rows,
-    B = max_blocks; the rotary tables from `rope_inv_freq`, float32 [head_dim / 2], the
-    model's). `mark_decode_only`: set StepInput.decode_only when every scheduled sequence has
-    exactly one query token (only for attention backends that use it: each value is a
-    program of its own)."""
+    B = max_blocks; the rotary tables looked up by position in `rope_table`, the model's
+    (cos, sin) of positions 0 .. max_model_len - 1, float32 [max_model_len, head_dim / 2],
+    made once at start-up by rope_tables, as vLLM keeps its cos_sin_cache).
+    `mark_decode_only`: set StepInput.decode_only when every scheduled sequence has exactly
+    one query token (only for attention backends that use it: each value is a program of
+    its own)."""
     i32 = np.int32
     ids = np.zeros(num_tokens, i32)
     pos = np.zeros(num_tokens, i32)
@@ -48,6 +50,6 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
         logits_idx[s] = t - 1
     qsl[len(out.scheduled) + 1:] = t
     decode_only = mark_decode_only and all(s.num_scheduled_tokens == 1 for s in out.scheduled)
-    cos, sin = rope_tables(pos, rope_inv_freq)
+    cos, sin = rope_table[0][pos], rope_table[1][pos]
     return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([len(out.scheduled)], i32),
                      logits_idx, cos, sin, np.zeros(1, i32), decode_only=decode_only)

@@ -21,6 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
@@ -35,7 +36,7 @@ from jaxkv.models import sharding as sh
 from jaxkv.runner.buckets import num_rows, pick_bucket
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, compile_bucket
-from jaxkv.runner.input_builder import build_step_input
+from jaxkv.runner.input_builder import build_step_input, rope_tables
 from jaxkv.runner.runner_sampling import RunnerSampling
 from jaxkv.step_input import StepInput
 
@@ -52,7 +53,8 @@ class ModelRunner(RunnerSampling):
         self.block_size, self.max_model_len = cc.block_size, config.max_model_len
         self.max_num_seqs, self.token_buckets = config.scheduler.max_num_seqs, rc.token_buckets
         self.max_blocks = -(-self.max_model_len // self.block_size)
-        self.rope_inv_freq = rope_inv_freq(model.cfg)  # the host's rotary tables (StepInput)
+        # RoPE's (cos, sin) of every position, looked up by each step's StepInput
+        self.rope_table = rope_tables(np.arange(self.max_model_len), rope_inv_freq(model.cfg))
         self.max_logprobs = rc.max_logprobs
         spec = config.speculative
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
@@ -165,7 +167,7 @@ class ModelRunner(RunnerSampling):
         t = self.pick_bucket(out) if bucket is None else bucket
         return build_step_input(out, block_size=self.block_size, num_tokens=t,
                                 rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
-                                rope_inv_freq=self.rope_inv_freq,
+                                rope_table=self.rope_table,
                                 mark_decode_only=self.mark_decode_only)
 
     def forward(self, step: StepInput) -> jax.Array:

@@ -60,7 +60,7 @@ def test_step_input_rope_tables():
     out = SchedulerOutput([ScheduledRequest("a", [5, 6, 7], 10, [1], True, sp, 0, 0, 0),
                            ScheduledRequest("b", [8], 40, [2, 3, 4], True, sp, 1, 0, 0)])
     si = build_step_input(out, block_size=16, num_tokens=8, rows=4, max_blocks=4,
-                          rope_inv_freq=inv)
+                          rope_table=rope_tables(np.arange(64), inv))
     np.testing.assert_array_equal(si.positions[:4], [10, 11, 12, 40])
     cos, sin = rope_tables(si.positions[:4], inv)
     np.testing.assert_array_equal(si.rope_cos[:4], cos)

@@ -11,7 +11,7 @@ from jaxkv.runner.input_builder import build_step_input
 def _memory(r, t, kv):
     si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=t,
                           rows=num_rows(t, r.max_num_seqs), max_blocks=r.max_blocks,
-                          rope_inv_freq=r.rope_inv_freq)
+                          rope_table=r.rope_table)
     return r.jitted_step.lower(r.params, kv, si).compile().memory_analysis()
 
 
@@ -30,7 +30,7 @@ def test_step_updates_the_pool_in_place(llm):
     assert _memory(r, r.token_buckets[0], r.kv_cache).temp_size_in_bytes < layer_bytes
     si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=r.token_buckets[0],
                           rows=num_rows(r.token_buckets[0], r.max_num_seqs), max_blocks=r.max_blocks,
-                          rope_inv_freq=r.rope_inv_freq)
+                          rope_table=r.rope_table)
     ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(r.kv_cache)]
     old = r.kv_cache
     r.forward(si)
