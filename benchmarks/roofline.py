@@ -13,6 +13,12 @@ FLOP model of a Llama-family decoder (float32, multiply-add = 2 FLOPs), per toke
 For the embedded SmolLM2-135M that is 0.21 GFLOP per prefill token (2 x 106.2 M linear parameters) and 0.29 per decoded token
 at a 256-token context (0.212 + 0.018 attention + 0.057 logits).
 
+Decode attention is a read of K/V, not a GEMM: each decoded token reads its whole context's K
+and V rows in every layer (SmolLM2, float32 pool: 46,080 bytes a context token; ~84 GB over
+throughput.py's full workload against ~2 TFLOP of decode matmuls). The FLOP model above prices
+it at 4 x context x heads x head_dim FLOPs; `decode_kv_bytes` gives the bytes, which the
+throughput benchmark prices at the memory probe's bandwidth beside the compute roofline.
+
 The workload roofline prices prefill tokens at the GEMM throughput of a full prefill step
 (`prefill_rows`, the token budget) and decoded tokens at that of a decode step
 (`decode_rows`, the running sequences), which is the best this machine's GEMMs do at those
@@ -80,6 +86,17 @@ def workload_flops(cfg, prompt_lens, new_tokens: int) -> tuple[float, float]:
     dec = sum(tokens_flops(cfg, np.arange(p + 1, p + new_tokens), new_tokens - 1)
               for p in prompt_lens)
     return pre, dec
+
+
+def decode_kv_bytes(cfg, prompt_lens, new_tokens: int, itemsize: int) -> float:
+    """Bytes of K and V that decode attention reads over the workload: each of a prompt's
+    new_tokens - 1 decoded tokens reads its context (itself included, as workload_flops
+    counts it) in every layer, 2 x num_kv_heads x head_dim elements of `itemsize` bytes per
+    context token and layer. Prefill chunks (each context row read once per chunk) are not
+    counted."""
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize * cfg.num_layers
+    ctx = sum(float(np.arange(p + 1, p + new_tokens).sum()) for p in prompt_lens)
+    return ctx * per_token
 
 
 def workload_roofline(cfg, prompt_lens, new_tokens: int, *, decode_rows: int, prefill_rows: int,

@@ -19,7 +19,14 @@ measured, each as output tokens / wall time of the measured calls, after an unti
   FLOPs over this machine's GEMM throughput at the decode and prefill step shapes
   (`roofline_tok_s`; `roofline_fraction` = jaxkv tokens/s over it), and the single-stream
   weight-read roofline, the memory probe's bandwidth over the weights' bytes
-  (`single_stream_roofline_tok_s`, `single_stream_roofline_fraction`).
+  (`single_stream_roofline_tok_s`, `single_stream_roofline_fraction`). Beside them, what the
+  compute roofline leaves out: the K/V bytes decode attention reads (`decode_kv_read_gb`), at
+  the memory probe's bandwidth (`decode_kv_read_s`), and the compute roofline with that time
+  added (`roofline_with_kv_tok_s`, `roofline_with_kv_fraction`): within a layer the attention
+  waits for q and the next matmul for its output, so the two add up. Information, not a target.
+- --kv-cache-dtype (vLLM's flag; default auto, the weights' float32) runs jaxkv with a narrower
+  KV pool: fewer bytes for decode attention to read, outputs no longer those of the float32
+  model (see benchmarks/kv_cache_dtype.py). The targets are for the default.
 
 The HF model is the same GGUF dequantized to float32 by transformers; torch uses all cores.
 Targets (speed issue): roofline_fraction >= 0.7, jaxkv >= 3x HF static batches of 8,
@@ -43,17 +50,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import base_parser, print_table, random_prompts, save
-from roofline import memory_gbps, weight_bytes, workload_roofline
+from roofline import decode_kv_bytes, memory_gbps, weight_bytes, workload_roofline
 
 SINGLE_PROMPT = ("Explain in a few sentences why a key-value cache makes generating text with a "
                  "transformer faster.")
 EOS = 2  # SmolLM2's <|im_end|>, also its pad token
 
 
-def run_jaxkv(prompts, new_tokens):
+def run_jaxkv(prompts, new_tokens, kv_cache_dtype="auto"):
     from jaxkv import LLM, SamplingParams
 
-    llm = LLM()
+    llm = LLM(kv_cache_dtype=kv_cache_dtype)
 
     llm.llm_engine.wait_for_background_compile()  # time the steady state
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -76,9 +83,17 @@ def run_jaxkv(prompts, new_tokens):
     roof = workload_roofline(cfg, [len(p) for p in prompts], new_tokens,
                              decode_rows=min(len(prompts), runner.max_num_seqs),
                              prefill_rows=runner.token_buckets[-1])
-    single_roof = memory_gbps() * 1e9 / weight_bytes(runner.params)  # one weight read a token
+    gbs = memory_gbps()
+    single_roof = gbs * 1e9 / weight_bytes(runner.params)  # one weight read a token
+    kv = decode_kv_bytes(cfg, [len(p) for p in prompts], new_tokens,
+                         np.dtype(runner.kv_cache.k.dtype).itemsize)
+    with_kv = roof["roofline_s"] + kv / gbs / 1e9
     res = {"jaxkv_tok_s": n / dt, "jaxkv_s": dt, "jaxkv_tokens": n, **roof,
            "roofline_fraction": n / dt / roof["roofline_tok_s"],
+           "memory_GBps": gbs, "kv_cache_dtype": llm.llm_engine.config.runner.kv_cache_dtype,
+           "decode_kv_read_gb": kv / 1e9, "decode_kv_read_s": kv / gbs / 1e9,
+           "roofline_with_kv_tok_s": n / with_kv,
+           "roofline_with_kv_fraction": n / dt / (n / with_kv),
            "single_stream_roofline_tok_s": single_roof,
            "single_stream_roofline_fraction": len(out.outputs[0].token_ids) / dt1 / single_roof,
            "jaxkv_single_stream_tok_s": len(out.outputs[0].token_ids) / dt1,
@@ -166,6 +181,8 @@ def main():
                      "16 prompts x 32 new tokens, HF sequential on 8 of them (about 1.5 minutes)")
     ap.add_argument("--hf-sequential-prompts", type=int, default=None,
                     help="prompts HF runs one at a time (default 16, --quick 8)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="jaxkv's KV pool dtype (vLLM's flag; auto: the weights' float32)")
     ap.add_argument("--with-llama-cpp", action="store_true",
                     help="also time llama-cpp-python (only when it is installed)")
     ap.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -178,7 +195,7 @@ def main():
           f"{new_tokens} new tokens each, greedy, EOS ignored; HF sequential on the first {n_seq}")
 
     t_start = time.perf_counter()
-    r = run_jaxkv(prompts, new_tokens)
+    r = run_jaxkv(prompts, new_tokens, args.kv_cache_dtype)
     print(f"jaxkv: {r['jaxkv_tokens']} tokens in {r['jaxkv_s']:.1f} s; single stream "
           f"{r['jaxkv_single_stream_tok_s']:.1f} tokens/s ({r['single_stream_prompt_tokens']}-token prompt)")
     hf_seq, hf_bat = run_hf(prompts, new_tokens, n_seq)
@@ -195,6 +212,9 @@ def main():
             "speedup_vs_hf_batched": r["jaxkv_tok_s"] / hf_bat,
             **{k: r[k] for k in ("roofline_tok_s", "roofline_fraction", "roofline_s",
                                  "workload_gflop", "decode_GFLOPs", "prefill_GFLOPs",
+                                 "memory_GBps", "kv_cache_dtype", "decode_kv_read_gb",
+                                 "decode_kv_read_s", "roofline_with_kv_tok_s",
+                                 "roofline_with_kv_fraction",
                                  "single_stream_roofline_tok_s",
                                  "single_stream_roofline_fraction")}}
     rows = [{"system": "jaxkv (one generate call)", "prompts": num, "tokens/s": data["jaxkv_tok_s"],
@@ -203,6 +223,9 @@ def main():
              "jaxkv speedup": None},
             {"system": "compute roofline (this machine's GEMMs)", "prompts": num,
              "tokens/s": data["roofline_tok_s"], "jaxkv speedup": data["roofline_fraction"]},
+            {"system": "compute roofline + decode K/V reads (memory probe)", "prompts": num,
+             "tokens/s": data["roofline_with_kv_tok_s"],
+             "jaxkv speedup": data["roofline_with_kv_fraction"]},
             {"system": "single-stream roofline (one weight read per token)", "prompts": 1,
              "tokens/s": data["single_stream_roofline_tok_s"],
              "jaxkv speedup": data["single_stream_roofline_fraction"]},
