@@ -139,7 +139,7 @@ class LlamaModel(nn.Module):
     the pool updated); `logits(hidden)` -> float32 [rows, vocab_size]. `attention`: the backend
     chosen at engine build (jaxkv.attention.get_attention); `cpu_matmul`: steps and sampler
     calls of at most cpu_linear.MAX_ROWS rows run their float32 matmuls through jaxkv's C++
-    kernel (set by the engine with the cpu attention backend and no tensor parallelism)."""
+    kernels (set by the engine with the cpu attention backend and no tensor parallelism)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention: Attention = get_attention("xla")

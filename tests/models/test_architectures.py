@@ -76,8 +76,9 @@ def arch(request, tmp_path_factory):
 
 @pytest.mark.parametrize("cpu_matmul", [False, True])
 def test_logits_match_transformers(arch, cpu_matmul):
-    """Prefill, chunks and token-by-token decode; with cpu_matmul the decode steps (bucket 8)
-    and the logits of up to 8 rows run through the C++ matmul, longer steps stay XLA dots."""
+    """Prefill, chunks and token-by-token decode; with cpu_matmul the steps of bucket 8 run
+    through the C++ few-row matmul, those of buckets 32 and 64 (the chunks, the 41-token
+    prefill) through the C++ GEMM; without it every matmul is an XLA dot."""
     name, hf, path = arch
     ckpt = load_hf_dir(str(path))
     mc = ModelConfig.from_hf_config(ckpt.config)
@@ -96,11 +97,11 @@ def test_logits_match_transformers(arch, cpu_matmul):
         got = run_paged(runner, ids, chunks, blocks)
         err = np.max(np.abs(got - ref))
         assert err < 1e-4, f"{name} chunks={chunks[:3]}...: max |logit diff| {err}"
-    for n, kernel in ((1, cpu_matmul), (41, False)):  # buckets 8 and 64
+    for n, target in ((1, "jaxkv_linear"), (41, "jaxkv_gemm")):  # buckets 8 and 64
         s = ScheduledRequest("r", ids[:n], 0, perm, True, SamplingParams(), 0, 0, 0)
         si = runner.build_inputs(SchedulerOutput([s]))
         hlo = runner.jitted_step.lower(runner.params, runner.kv_cache, si).as_text()
-        assert ("jaxkv_linear" in hlo) == kernel
+        assert (target in hlo) == cpu_matmul
 
 
 

@@ -1,8 +1,11 @@
-"""The C++ few-row matmul (jaxkv/models/cpu_linear.py) against float64 numpy products: every
-row count it takes (1-16), sizes on and off its 16-lane vectors, 4-row steps, 64-row chunks
+"""The C++ matmuls of a decode step's rows (jaxkv/models/cpu_linear.py) against float64 numpy
+products. The streaming kernel: every row count it takes (1-16), sizes on and off its 16-lane vectors, 4-row steps, 64-row chunks
 and 1024-column groups (2500 columns: three groups, the last with a scalar tail), several weights
 in one call, the transposed (embedding) layout; a row's result does not depend on the other
-rows; bad shapes and types are refused with the argument named. The model with the kernel
+rows. The GEMM kernel (17-64 rows): row counts on and off its 8-row passes, widths on and off
+its 48-column strips and 16-lane vectors, K on and off its 192-row blocks, several weights in
+one call; a row's result does not depend on the other rows, nor a weight's on the weights
+beside it. Bad shapes and types are refused with the argument named. The model with the kernel
 (LlamaModel.cpu_matmul) is checked against transformers in tests/models/test_architectures.py."""
 
 import jax
@@ -37,6 +40,41 @@ def test_matches_float64_product(rows, k, ns):
             assert np.max(np.abs(np.asarray(y) - ref)) <= 2e-6 * np.sqrt(k) * np.max(np.abs(ref))
 
 
+@pytest.mark.parametrize("rows", [17, 23, 24, 32, 33, 47, 64])
+@pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (1536, (576,)), (37, (5, 70, 129)),
+                                  (193, (2500, 48)), (1, (49, 16)), (64, (0, 5))])
+def test_gemm_matches_float64_product(rows, k, ns):
+    rng = np.random.default_rng(rows * 1000 + k)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ws = [rng.standard_normal((k, n)).astype(np.float32) for n in ns]
+    ys = MATMUL(jnp.asarray(x), *map(jnp.asarray, ws))
+    assert len(ys) == len(ws)
+    for w, y in zip(ws, ys):
+        ref = x.astype(np.float64) @ w.astype(np.float64)
+        assert y.shape == ref.shape and y.dtype == jnp.float32
+        if ref.size:
+            assert np.max(np.abs(np.asarray(y) - ref)) <= 2e-6 * np.sqrt(k) * np.max(np.abs(ref))
+
+
+def test_gemm_rows_and_weights_are_independent():
+    # 400 = two whole 192-row blocks and a short one; 610 columns: 12 strips and a 34-column
+    # one (two vectors and a 2-column tail); alone, the weight's columns are shared among the
+    # cores differently than beside a second weight.
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((64, 400)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((400, 610)), jnp.float32)
+    other = jnp.asarray(rng.standard_normal((400, 1000)), jnp.float32)
+    (full,) = MATMUL(x, w)
+    for r, n in ((0, 17), (5, 20), (40, 24), (17, 47)):
+        (alone,) = MATMUL(x[r:r + n], w)
+        assert np.array_equal(np.asarray(alone), np.asarray(full)[r:r + n])
+    beside, _ = MATMUL(x, w, other)
+    _, first = MATMUL(x, other, w)
+    assert np.array_equal(np.asarray(beside), np.asarray(full))
+    assert np.array_equal(np.asarray(first), np.asarray(full))
+    assert np.array_equal(np.asarray(MATMUL(x, w)[0]), np.asarray(full))  # run to run
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("n,k", [(1000, 576), (33, 40), (7, 16)])
 def test_transposed_matches_float64_product(rows, n, k):
@@ -67,8 +105,10 @@ def test_bad_input_is_refused():
     x, w = jnp.zeros((2, 8)), jnp.zeros((8, 4))
     with pytest.raises(ValueError, match="1 to 8 weights"):
         cpu_linear.matmul(x)
-    with pytest.raises(ValueError, match=r"x must be float32 \[T <= 16, K\]"):
-        cpu_linear.matmul(jnp.zeros((17, 8)), w)
+    with pytest.raises(ValueError, match=r"x must be float32 \[T <= 64, K\], got float32\[65, 8\]"):
+        cpu_linear.matmul(jnp.zeros((65, 8)), w)
+    with pytest.raises(ValueError, match=r"x must be float32 \[T <= 16, K\], got float32\[17, 8\]"):
+        cpu_linear.matmul(jnp.zeros((17, 8)), jnp.zeros((4, 8)), transposed=True)
     with pytest.raises(ValueError, match=r"x must be float32"):
         cpu_linear.matmul(x.astype(jnp.bfloat16), w)
     with pytest.raises(ValueError, match=r"a weight must be float32 \[8, N\], got float32\[9, 4\]"):
@@ -78,7 +118,8 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="a weight must be float32"):
         cpu_linear.matmul(x, w.astype(jnp.bfloat16))
     assert cpu_linear.applies(x, w) and cpu_linear.applies(jnp.zeros((16, 8)), w)
-    assert not cpu_linear.applies(jnp.zeros((17, 8)), w)
+    assert cpu_linear.applies(jnp.zeros((17, 8)), w) and cpu_linear.applies(jnp.zeros((64, 8)), w)
+    assert not cpu_linear.applies(jnp.zeros((65, 8)), w)
     table = jnp.zeros((4, 8))
     assert cpu_linear.applies(jnp.zeros((4, 8)), table, transposed=True)
     assert not cpu_linear.applies(jnp.zeros((5, 8)), table, transposed=True)
@@ -87,5 +128,6 @@ def test_bad_input_is_refused():
     # an untied LM head of a large vocabulary at 16 rows: its partial sums would not fit
     x16, head = jnp.zeros((16, 2048)), jnp.zeros((2048, 32768))
     assert not cpu_linear.applies(x16, head) and cpu_linear.applies(x16[:4], head)
+    assert cpu_linear.applies(jnp.zeros((17, 2048)), head)  # the GEMM keeps no partial sums
     with pytest.raises(ValueError, match=r"would take 64.0 MiB of scratch \(limit 32 MiB\)"):
         cpu_linear.matmul(x16, head)
