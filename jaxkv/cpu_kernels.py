@@ -1,6 +1,7 @@
 """Build and load jaxkv's C++ kernels for XLA:CPU (XLA FFI custom calls): the ragged paged
 attention (jaxkv/attention/cpu_attention.cc), the few-row matmul (jaxkv/models/cpu_linear.cc),
-the matmul of 17-64 rows (jaxkv/models/cpu_gemm.cc) and the greedy argmax (jaxkv/runner/cpu_argmax.cc), compiled together into one library.
+the matmul of 17-128 rows (jaxkv/models/cpu_gemm.cc) and the greedy argmax
+(jaxkv/runner/cpu_argmax.cc), compiled together into one library.
 
 Build: the sources are compiled once per machine with the system's C++ compiler (g++ or
 $CXX; -O3 -march=native, against jaxlib's FFI headers, `jax.ffi.include_dir()`) into

@@ -5,10 +5,10 @@ reads the weights: on XLA:CPU each such dot runs on one thread (~14 GB/s on the 
 machine) where the streaming kernel (cpu_linear.cc) reads every weight from memory once with
 all cores, in contiguous chunks of rows, several side by side for one to four rows (~26-29
 GB/s; a chunk is read again from cache for each further group of 4 rows, 2 when transposed),
-and one call takes the several weights of one input (q/k/v, gate/up). From 17 to 64 rows (a
-decode of 17-64 sequences) the product is compute: the GEMM kernel (cpu_gemm.cc) keeps 8 rows
-x 48 columns of sums in registers over blocks of the weight held in L1, prefetching the next,
-the columns shared among the cores. The model uses them (LlamaModel.cpu_matmul) for float32
+and one call takes the several weights of one input (q/k/v, gate/up). From 17 to 128 rows
+(a decode of 17-64 sequences, a step of up to 128 tokens) the product is compute: the GEMM
+kernel (cpu_gemm.cc) keeps 8 rows x 48 columns of sums in registers over blocks of the weight
+held in L1, prefetching the next, the columns shared among the cores. The model uses them (LlamaModel.cpu_matmul) for float32
 weights, steps of at most MAX_ROWS rows, without tensor parallelism; everything else stays an
 XLA dot. Built and loaded with the attention kernel (jaxkv/cpu_kernels.py).
 """
@@ -25,7 +25,7 @@ TARGET = "jaxkv_linear"  # the streaming kernel: 1 to STREAM_MAX_ROWS rows, or t
 GEMM_TARGET = "jaxkv_gemm"  # the GEMM kernel: STREAM_MAX_ROWS + 1 to MAX_ROWS rows
 STREAM_MAX_ROWS = 16  # from 9 to 16 rows the 30 layers' matmuls of SmolLM2 take 34-41 ms
 # against XLA's 44-46 on the 2-core Xeon
-MAX_ROWS = 64  # the model's threshold: every row count the kernels take
+MAX_ROWS = 128  # the model's threshold: every row count the kernels take
 MAX_ROWS_TRANSPOSED = 4  # the LM head's: from 8 rows XLA's dot reads the table as fast
 CHUNK_ROWS = 64  # rows of a [K, N] weight per work item (cpu_linear.cc's kChunkRows)
 # The partial sums of a [K, N] call, ceil(K / CHUNK_ROWS) x T x sum(N) float32, live in a
@@ -66,7 +66,7 @@ def applies(x, *weights, transposed: bool = False) -> bool:
 
 
 def matmul(x, *weights, transposed: bool = False) -> tuple:
-    """(x @ W for W in weights): x float32 [T, K] (T <= MAX_ROWS = 64; T <= 16 transposed),
+    """(x @ W for W in weights): x float32 [T, K] (T <= MAX_ROWS = 128; T <= 16 transposed),
     each weight float32 [K, N_m] (or [N_m, K] with transposed=True: x @ W^T, an embedding
     table as the LM head) -> a tuple of float32 [T, N_m], one per weight (1 to 8 weights).
     Up to STREAM_MAX_ROWS rows (or transposed) the streaming kernel runs, from 17 rows the
@@ -78,7 +78,7 @@ def matmul(x, *weights, transposed: bool = False) -> tuple:
     at a time), so the result does not depend on the thread count or on x's other rows; it
     may differ from XLA's dot, and between the two kernels, in the last bits.
     Raises RuntimeError if the kernels are not built, ValueError for shapes or types they
-    do not take (x [T, K] with T > 64, or > 16 transposed, not float32, a weight that does
+    do not take (x [T, K] with T > 128, or > 16 transposed, not float32, a weight that does
     not fit x, more than MAX_SCRATCH_BYTES of partial sums at up to 16 rows)."""
     if load() is None:
         raise RuntimeError(f"cpu matmul kernel unavailable: {build_error()}")

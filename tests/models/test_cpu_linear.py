@@ -2,7 +2,7 @@
 products. The streaming kernel: every row count it takes (1-16), sizes on and off its 16-lane vectors, 4-row steps, 64-row chunks
 and 1024-column groups (2500 columns: three groups, the last with a scalar tail), several weights
 in one call, the transposed (embedding) layout; a row's result does not depend on the other
-rows. The GEMM kernel (17-64 rows): row counts on and off its 8-row passes, widths on and off
+rows. The GEMM kernel (17-128 rows): row counts on and off its 8-row passes, widths on and off
 its 48-column strips and 16-lane vectors, K on and off its 192-row blocks, several weights in
 one call; a row's result does not depend on the other rows, nor a weight's on the weights
 beside it. Bad shapes and types are refused with the argument named. The model with the kernel
@@ -40,7 +40,7 @@ def test_matches_float64_product(rows, k, ns):
             assert np.max(np.abs(np.asarray(y) - ref)) <= 2e-6 * np.sqrt(k) * np.max(np.abs(ref))
 
 
-@pytest.mark.parametrize("rows", [17, 23, 24, 32, 33, 47, 64])
+@pytest.mark.parametrize("rows", [17, 23, 24, 32, 33, 47, 64, 100, 128])
 @pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (1536, (576,)), (37, (5, 70, 129)),
                                   (193, (2500, 48)), (1, (49, 16)), (64, (0, 5))])
 def test_gemm_matches_float64_product(rows, k, ns):
@@ -61,11 +61,11 @@ def test_gemm_rows_and_weights_are_independent():
     # one (two vectors and a 2-column tail); alone, the weight's columns are shared among the
     # cores differently than beside a second weight.
     rng = np.random.default_rng(11)
-    x = jnp.asarray(rng.standard_normal((64, 400)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((128, 400)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((400, 610)), jnp.float32)
     other = jnp.asarray(rng.standard_normal((400, 1000)), jnp.float32)
     (full,) = MATMUL(x, w)
-    for r, n in ((0, 17), (5, 20), (40, 24), (17, 47)):
+    for r, n in ((0, 17), (5, 20), (40, 24), (17, 47), (60, 64), (3, 125)):
         (alone,) = MATMUL(x[r:r + n], w)
         assert np.array_equal(np.asarray(alone), np.asarray(full)[r:r + n])
     beside, _ = MATMUL(x, w, other)
@@ -105,8 +105,8 @@ def test_bad_input_is_refused():
     x, w = jnp.zeros((2, 8)), jnp.zeros((8, 4))
     with pytest.raises(ValueError, match="1 to 8 weights"):
         cpu_linear.matmul(x)
-    with pytest.raises(ValueError, match=r"x must be float32 \[T <= 64, K\], got float32\[65, 8\]"):
-        cpu_linear.matmul(jnp.zeros((65, 8)), w)
+    with pytest.raises(ValueError, match=r"x must be float32 \[T <= 128, K\], got float32\[129, 8\]"):
+        cpu_linear.matmul(jnp.zeros((129, 8)), w)
     with pytest.raises(ValueError, match=r"x must be float32 \[T <= 16, K\], got float32\[17, 8\]"):
         cpu_linear.matmul(jnp.zeros((17, 8)), jnp.zeros((4, 8)), transposed=True)
     with pytest.raises(ValueError, match=r"x must be float32"):
@@ -118,8 +118,8 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="a weight must be float32"):
         cpu_linear.matmul(x, w.astype(jnp.bfloat16))
     assert cpu_linear.applies(x, w) and cpu_linear.applies(jnp.zeros((16, 8)), w)
-    assert cpu_linear.applies(jnp.zeros((17, 8)), w) and cpu_linear.applies(jnp.zeros((64, 8)), w)
-    assert not cpu_linear.applies(jnp.zeros((65, 8)), w)
+    assert cpu_linear.applies(jnp.zeros((17, 8)), w) and cpu_linear.applies(jnp.zeros((128, 8)), w)
+    assert not cpu_linear.applies(jnp.zeros((129, 8)), w)
     table = jnp.zeros((4, 8))
     assert cpu_linear.applies(jnp.zeros((4, 8)), table, transposed=True)
     assert not cpu_linear.applies(jnp.zeros((5, 8)), table, transposed=True)

@@ -49,7 +49,7 @@ def test_xla_engine_matches_cpu_engine(llm):
 
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     assert llm.llm_engine.runner.model.attention.name == "cpu"  # the shared session engine
-    assert llm.llm_engine.runner.model.cpu_matmul and llm.stats().cpu_matmul_max_rows == 64
+    assert llm.llm_engine.runner.model.cpu_matmul and llm.stats().cpu_matmul_max_rows == 128
     ref = llm.generate(PROMPTS, sp, use_tqdm=False)
     xla = LLM(attention_backend="xla", **ENGINE)
     assert xla.llm_engine.runner.model.attention.name == "xla"
