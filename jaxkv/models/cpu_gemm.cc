@@ -21,7 +21,9 @@
 // multiply-adds from zero (y holds the running sum between blocks), so the result does not
 // depend on the thread count, the timing or the other rows of x.
 
+#if defined(__AVX__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -70,6 +72,20 @@ inline vec broadcast(const float* p) {
 #endif
 }
 
+// c + a * b rounded once (a fused multiply-add), lane by lane: the FMA instructions where the
+// build has them (AVX-512, or AVX2 with FMA3), else std::fma per lane (the same bits; slow on
+// a CPU without FMA hardware, which jaxkv's -march=native build then emulates).
+inline vec fmadd(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX__) && defined(__FMA__)
+  return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  for (int i = 0; i < kLanes; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+  return c;
+#endif
+}
+
 // One block of work: columns [n0, n0 + width) of weight w (ld n), rows [k0, k0 + klen).
 struct Block {
   const float* w;
@@ -115,7 +131,7 @@ void block_rows(const float* x, int64_t K, const Block& b, int64_t r0, int64_t c
     for (int v = 0; v < NV; ++v) wv[v] = loadv(w + v * kLanes);
     for (int r = 0; r < R; ++r) {
       const vec a = broadcast(xr + r * K + k);
-      for (int v = 0; v < NV; ++v) acc[r][v] += a * wv[v];
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)

@@ -42,7 +42,7 @@ def test_matches_float64_product(rows, k, ns):
 
 @pytest.mark.parametrize("rows", [17, 23, 24, 32, 33, 47, 64, 100, 128])
 @pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (1536, (576,)), (37, (5, 70, 129)),
-                                  (193, (2500, 48)), (1, (49, 16)), (64, (0, 5))])
+                                  (193, (2500, 48)), (1, (49, 16)), (64, (0, 5)), (0, (48, 7))])
 def test_gemm_matches_float64_product(rows, k, ns):
     rng = np.random.default_rng(rows * 1000 + k)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -73,6 +73,14 @@ def test_gemm_rows_and_weights_are_independent():
     assert np.array_equal(np.asarray(beside), np.asarray(full))
     assert np.array_equal(np.asarray(first), np.asarray(full))
     assert np.array_equal(np.asarray(MATMUL(x, w)[0]), np.asarray(full))  # run to run
+    # NaN and inf stay in their rows and columns
+    bad = x.at[3, 7].set(jnp.nan).at[9, 0].set(jnp.inf)
+    (y,) = MATMUL(bad, w)
+    y, full = np.asarray(y), np.asarray(full)
+    assert np.isnan(y[3]).all() and not np.isfinite(y[9]).any()
+    keep = np.ones(len(y), bool)
+    keep[[3, 9]] = False
+    assert np.array_equal(y[keep], full[keep])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
