@@ -93,7 +93,7 @@ def run_jaxkv(prompts, new_tokens, kv_cache_dtype="auto"):
            "memory_GBps": gbs, "kv_cache_dtype": llm.llm_engine.config.runner.kv_cache_dtype,
            "decode_kv_read_gb": kv / 1e9, "decode_kv_read_s": kv / gbs / 1e9,
            "roofline_with_kv_tok_s": n / with_kv,
-           "roofline_with_kv_fraction": n / dt / (n / with_kv),
+           "roofline_with_kv_fraction": with_kv / dt,
            "single_stream_roofline_tok_s": single_roof,
            "single_stream_roofline_fraction": len(out.outputs[0].token_ids) / dt1 / single_roof,
            "jaxkv_single_stream_tok_s": len(out.outputs[0].token_ids) / dt1,

@@ -109,18 +109,18 @@ struct LineWalk {
   }
 };
 
-// R rows of x (from row r0) over NV vectors of columns of block b (from column c0 of the
-// block): y = (k0 ? y : 0) + the block's sum. While it runs, lines [pf0, pf1) of the next
+// R rows of x (from row r0) over the first NV vectors of columns of block b:
+// y = (k0 ? y : 0) + the block's sum. While it runs, lines [pf0, pf1) of the next
 // block are prefetched, spread over the k loop.
 template <int R, int NV>
-void block_rows(const float* x, int64_t K, const Block& b, int64_t r0, int64_t c0,
-                const Block* next, int64_t pf0, int64_t pf1) {
+void block_rows(const float* x, int64_t K, const Block& b, int64_t r0, const Block* next,
+                int64_t pf0, int64_t pf1) {
   vec acc[R][NV];
-  float* y = b.y + r0 * b.n + b.n0 + c0;
+  float* y = b.y + r0 * b.n + b.n0;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = b.k0 ? loadv(y + r * b.n + v * kLanes) : vec{};
   const float* xr = x + r0 * K + b.k0;
-  const float* w = b.w + b.k0 * b.n + b.n0 + c0;
+  const float* w = b.w + b.k0 * b.n + b.n0;
   // Lines of the next block per k: one, or two when they outnumber this pass's k.
   const int64_t lines = next ? pf1 - pf0 : 0, twice = lines > b.klen ? lines - b.klen : 0;
   LineWalk walk = next ? LineWalk(*next, pf0) : LineWalk(b, 0);
@@ -138,25 +138,25 @@ void block_rows(const float* x, int64_t K, const Block& b, int64_t r0, int64_t c
     for (int v = 0; v < NV; ++v) storev(y + r * b.n + v * kLanes, acc[r][v]);
 }
 
-// The rows of x from r0 (fewer than kRows) over NV vectors of columns from c0.
+// The rows of x from r0 (fewer than kRows) over NV vectors of columns.
 template <int R, int NV>
-void tail_rows(const float* x, int64_t K, const Block& b, int64_t r0, int64_t left, int64_t c0) {
+void tail_rows(const float* x, int64_t K, const Block& b, int64_t r0, int64_t left) {
   if constexpr (R > 1) {
-    if (left < R) return tail_rows<R - 1, NV>(x, K, b, r0, left, c0);
+    if (left < R) return tail_rows<R - 1, NV>(x, K, b, r0, left);
   }
-  block_rows<R, NV>(x, K, b, r0, c0, nullptr, 0, 0);
+  block_rows<R, NV>(x, K, b, r0, nullptr, 0, 0);
 }
 
-// Every row of x over NV vectors of columns from c0, prefetching `lines` lines of the next
-// block over the full passes.
+// Every row of x over NV vectors of columns, prefetching `lines` lines of the next block
+// over the full passes.
 template <int NV>
-void rows_over(const float* x, int64_t K, int64_t rows, const Block& b, int64_t c0,
-               const Block* next, int64_t lines) {
+void rows_over(const float* x, int64_t K, int64_t rows, const Block& b, const Block* next,
+               int64_t lines) {
   const int64_t passes = rows / kRows;
   for (int64_t p = 0; p < passes; ++p)
-    block_rows<kRows, NV>(x, K, b, p * kRows, c0, next, lines * p / passes,
+    block_rows<kRows, NV>(x, K, b, p * kRows, next, lines * p / passes,
                           lines * (p + 1) / passes);
-  if (rows % kRows) tail_rows<kRows - 1, NV>(x, K, b, passes * kRows, rows % kRows, c0);
+  if (rows % kRows) tail_rows<kRows - 1, NV>(x, K, b, passes * kRows, rows % kRows);
 }
 
 // Every row of x over block b, prefetching the next block during the passes. A narrower
@@ -165,9 +165,9 @@ void rows_over(const float* x, int64_t K, int64_t rows, const Block& b, int64_t 
 void run_block(const float* x, int64_t K, int64_t rows, const Block& b, const Block* next) {
   const int64_t lines = next ? next->klen * ((next->width * 4 + 63) / 64) : 0;
   const int64_t nv = b.width / kLanes;
-  if (nv == 3) rows_over<3>(x, K, rows, b, 0, next, lines);
-  else if (nv == 2) rows_over<2>(x, K, rows, b, 0, next, lines);
-  else if (nv == 1) rows_over<1>(x, K, rows, b, 0, next, lines);
+  if (nv == 3) rows_over<3>(x, K, rows, b, next, lines);
+  else if (nv == 2) rows_over<2>(x, K, rows, b, next, lines);
+  else if (nv == 1) rows_over<1>(x, K, rows, b, next, lines);
   for (int64_t c = nv * kLanes; c < b.width; ++c)
     for (int64_t r = 0; r < rows; ++r) {
       float* y = b.y + r * b.n + b.n0 + c;
@@ -194,7 +194,8 @@ struct Work {
 // share's strips), each prefetching the next.
 void run_share(const Work& w, int64_t s) {
   const int64_t first = w.strips * s / w.shares, last = w.strips * (s + 1) / w.shares;
-  std::vector<Block> blocks;
+  thread_local std::vector<Block> blocks;  // kept for the thread's next call
+  blocks.clear();
   int64_t base = 0;
   for (int64_t m = 0; m < w.n_w; ++m) {
     const int64_t count = (w.n[m] + kStrip - 1) / kStrip;

@@ -8,9 +8,9 @@ GB/s; a chunk is read again from cache for each further group of 4 rows, 2 when 
 and one call takes the several weights of one input (q/k/v, gate/up). From 17 to 128 rows
 (a decode of 17-64 sequences, a step of up to 128 tokens) the product is compute: the GEMM
 kernel (cpu_gemm.cc) keeps 8 rows x 48 columns of sums in registers over blocks of the weight
-held in L1, prefetching the next, the columns shared among the cores. The model uses them (LlamaModel.cpu_matmul) for float32
-weights, steps of at most MAX_ROWS rows, without tensor parallelism; everything else stays an
-XLA dot. Built and loaded with the attention kernel (jaxkv/cpu_kernels.py).
+held in L1, prefetching the next, the columns shared among the cores. The model uses them
+(LlamaModel.cpu_matmul) for float32 weights, steps of at most MAX_ROWS rows, without tensor
+parallelism; everything else stays an XLA dot. Built and loaded with the attention kernel (jaxkv/cpu_kernels.py).
 """
 
 from __future__ import annotations
