@@ -93,8 +93,8 @@ class EngineArgs:
     async_scheduling: bool | None = _arg(
         None, "dispatch the next decode step before this step's sampled tokens reach the host, "
         "so scheduling, detokenizing and stop checks overlap the device; default: on where "
-        "supported (one process without tensor parallelism), as vLLM (see the README's Async "
-        "scheduling)")
+        "supported (one process without tensor parallelism), as vLLM (see "
+        "docs/async-scheduling.md)")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
     attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (ragged paged "
                                   "attention in C++, built on first use with g++; xla, pure "

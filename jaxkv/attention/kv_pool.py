@@ -18,9 +18,9 @@ An int8 pool also stores K and V rotated by an orthonormal Hadamard matrix H ove
 (QuaRot, Ashkboos et al. 2024): a fixed rotation spreads each row's energy over its channels,
 so the row maximum that sets the int8 step sits closer to the typical value. Attention is
 unchanged by it: the query is rotated too (q H . k H = q . k) and the output rotated back
-(sum p v H = o H). Measured on SmolLM2 (README): mean |first-token logprob difference| against
-a float32 pool 0.054 without the rotation, 0.026 with it. float8 keeps a relative precision
-per value, which a rotation does not improve, so it is stored unrotated.
+(sum p v H = o H). Measured on SmolLM2 (docs/kv-cache-dtype.md): mean |first-token logprob
+difference| against a float32 pool 0.054 without the rotation, 0.026 with it. float8 keeps a
+relative precision per value, which a rotation does not improve, so it is stored unrotated.
 
 Storage: bfloat16 and float8 values (and the bfloat16 scales) are held as their bits, in
 uint16 / uint8 arrays, and viewed as their type where they are read (a bitcast of what was

@@ -5,7 +5,7 @@ Pallas kernels, interpret mode here) as the oracle does; the plan's capacity dou
 or grows 3.9x (one byte plus a 2-byte scale per 64 values); and on ten chat prompts the
 first-token logprobs stay within 0.02 (bfloat16) and 0.04 (int8) nats of a float32 pool's on
 average, bfloat16 parting from float32's greedy 16 tokens only at float32 near-ties. float8
-keeps the first token on 8 of 10; numbers in the README."""
+keeps the first token on 8 of 10; numbers in docs/kv-cache-dtype.md."""
 
 import jax
 import jax.numpy as jnp
@@ -197,13 +197,14 @@ def test_greedy_tokens_stay_those_of_float32(name, reference):
     # implementations (the cpu and xla backends, equal to 3e-5 in float32) put int8 K values
     # one step apart in 4% of slots by the last layer, as float noise meets rounding
     # boundaries. So the bars are on the first-token logprobs (the stable measure) and on
-    # where bfloat16's outputs part; counts of parted outputs only bound the damage (README).
+    # where bfloat16's outputs part; counts of parted outputs only bound the damage
+    # (docs/kv-cache-dtype.md).
     if name == "bfloat16":
         assert len(margins) <= 2 and max(margins, default=0) < NEAR_TIE
         assert first == 10 and np.mean(diffs) < 0.02
     elif name == "int8":
         assert len(margins) <= 3 and first >= 9 and np.mean(diffs) < 0.04
-    else:  # float8 (3 or 2 mantissa bits): measured, below that bar (README)
+    else:  # float8 (3 or 2 mantissa bits): measured, below that bar (docs/kv-cache-dtype.md)
         assert first >= 8 and np.mean(diffs) < 0.25
     s = llm.stats()
     assert s.num_total_blocks > 1.9 * reference_blocks() * (1 if name == "bfloat16" else 1.9)
