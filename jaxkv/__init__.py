@@ -17,6 +17,6 @@ def __getattr__(name):
         from jaxkv.llm import LLM
         return LLM
     if name == "EngineArgs":
-        from jaxkv.config import EngineArgs
+        from jaxkv.engine_args import EngineArgs
         return EngineArgs
     raise AttributeError(name)

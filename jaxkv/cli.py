@@ -14,7 +14,7 @@ import sys
 
 from importlib.metadata import entry_points
 
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 
 # Subcommands that live above the engine (the HTTP server) register here as entry points
 # (pyproject.toml), so jaxkv itself never imports them: name -> "module:add_parser(subparsers)".

@@ -10,22 +10,33 @@ the engine and `jaxkv plan` all read the same record, so `jaxkv plan` reports wh
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
-from jaxkv.config import ATTENTION_BACKENDS, check_batched_tokens
 from jaxkv.core.kv_budget import KVBudget, bytes_per_token, parse_bytes, plan_kv_cache
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.structured_outputs import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
 
+logger = logging.getLogger("jaxkv")
+
+ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "xla")
 CPU_MAX_NUM_BATCHED_TOKENS = 512   # 2 CPU cores: 512 rows keep a step near the matmul peak
 GPU_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's usual default for online serving
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1,
                "float8_e5m2": 1}
 KV_CACHE_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-# Quantized pool dtypes -> bytes of the scale stored per token and KV head (a bfloat16; see
-# jaxkv/attention/kv_pool.py).
+# Quantized (one-byte) pool dtypes -> bytes of the scale stored per token and KV head (a
+# bfloat16: kv_pool.SCALE_DTYPE; tests/attention/test_kv_pool_bytes.py holds the two together).
 KV_SCALE_BYTES = {"int8": 2, "float8_e4m3fn": 2, "float8_e5m2": 2}
+
+
+def check_batched_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    """ValueError unless every running sequence can get a token in a step (vLLM's rule)."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than "
+                         f"or equal to max_num_seqs ({max_num_seqs})")
 
 
 @dataclass(frozen=True)
@@ -175,56 +186,119 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
     return KV_CACHE_DTYPE_NAMES.get(kv_cache_dtype, kv_cache_dtype)
 
 
-def resolve_backend(name: str, platform: str) -> str:
-    """auto -> "pallas" on a GPU, "cpu" on a CPU, "xla" elsewhere; the others stay as asked
-    (pallas off a GPU runs in interpret mode). ValueError for an unknown name. (The engine
-    build turns an auto "cpu" into "xla" when the C++ kernel cannot be built or split:
-    jaxkv/engine/setup.py.)"""
+def resolve_backend(name: str, platform: str, model_config: ModelConfig | None = None,
+                    tensor_parallel_size: int = 1,
+                    cpu_kernels_unavailable: Callable[[], str | None] | None = None) -> str:
+    """The attention backend: auto -> "pallas" on a GPU, "cpu" on a CPU, "xla" elsewhere (pallas
+    off a GPU runs in interpret mode), checked against what the machine and the layout allow.
+
+    A kernel run per device (pallas, cpu) needs the KV heads split over a tensor-parallel mesh
+    (num_kv_heads divisible by tensor_parallel_size); the cpu kernel runs on a CPU only and
+    needs its C++ build: `cpu_kernels_unavailable()` says why it cannot run (None: it can;
+    jaxkv.cpu_kernels.unavailable, which builds it on first call; not asked when None is given,
+    as `jaxkv plan` does). An "auto" that would be "cpu" falls back to "xla" with a warning;
+    otherwise a ValueError says why, as it does for an unknown name.
+    """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "auto":
-        return {"gpu": "pallas", "cpu": "cpu"}.get(platform, "xla")
-    return name
+    backend = {"gpu": "pallas", "cpu": "cpu"}.get(platform, "xla") if name == "auto" else name
+    tp, why = tensor_parallel_size, None
+    if backend == "cpu" and platform != "cpu":
+        why = f"attention_backend cpu runs on a CPU only, not on {platform} (use pallas or xla)"
+    elif backend in ("pallas", "cpu") and tp > 1 and model_config.num_kv_heads % tp:
+        why = (f"attention_backend {backend} with tensor_parallel_size {tp} needs the KV heads "
+               f"({model_config.num_kv_heads}) split over the devices, not replicated (use the "
+               "xla backend)")
+    elif backend == "cpu" and cpu_kernels_unavailable is not None:
+        why = cpu_kernels_unavailable()
+    if why is None:
+        return backend
+    if name == "auto" and backend == "cpu":
+        logger.warning("%s; using the xla attention backend", why)
+        return "xla"
+    raise ValueError(why)
 
 
 def create_engine_config(args, *, platform: str, model_config: ModelConfig | None = None,
-                         device_memory_bytes: int | None = None) -> EngineConfig:
-    """Resolve `args` (EngineArgs) for `platform` and the model.
+                         device_memory_bytes: int | None = None, num_processes: int = 1,
+                         cpu_kernels_unavailable: Callable[[], str | None] | None = None
+                         ) -> EngineConfig:
+    """Resolve `args` (EngineArgs) for `platform`, the model and the job, once: the engine build
+    uses the result as it is.
 
     model_config: the checkpoint's ModelConfig (read from args.model when None).
     device_memory_bytes: the accelerator's memory, for gpu_memory_utilization sizing (the
-    weights' share is the model's parameter count x dtype bytes). Raises ValueError naming the
-    field for values that contradict the model or each other.
+    weights' share is the model's parameter count x dtype bytes).
+    num_processes: the processes of the job that will run the engine (jax.process_count()).
+    cpu_kernels_unavailable: see `resolve_backend` (None: the cpu kernel is assumed to build).
+    Raises ValueError naming the field for values that contradict the model, the platform, the
+    job or each other.
     """
     if model_config is None:
         from jaxkv.loader.source import read_config
         model_config = ModelConfig.from_hf_config(read_config(args.model))
     mc = model_config
-    limit = mc.max_position_embeddings
-    if args.max_model_len is not None and args.max_model_len > limit:
-        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's maximum "
-                         f"({limit} positions)")
-    max_model_len = args.max_model_len or limit
-    if mc.sliding_window is not None and mc.sliding_window < max_model_len:
-        raise ValueError(f"the model uses a sliding window of {mc.sliding_window} tokens, which jaxkv "
-                         f"does not implement; set max_model_len <= {mc.sliding_window}")
+    max_model_len = _max_model_len(args.max_model_len, mc)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if platform == "gpu" else "float32")
     mnbt = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if platform == "gpu"
                                            else CPU_MAX_NUM_BATCHED_TOKENS)
     check_batched_tokens(mnbt, args.max_num_seqs)
-    buckets, warmup_buckets = resolve_token_buckets(args.token_buckets, args.warmup_token_buckets,
-                                                    mnbt)
     speculative = SpeculativeConfig.from_value(args.speculative_config)
     if speculative is not None and speculative.num_speculative_tokens >= mnbt:
         raise ValueError(f"speculative_config.num_speculative_tokens ({speculative.num_speculative_tokens}) "
                          f"must be less than max_num_batched_tokens ({mnbt}): a draft shares the "
                          "step's token budget with its request's own token")
+    check_tensor_parallel(mc, args.tensor_parallel_size)
+    cache = _cache_config(args, mc, dtype, max_model_len, device_memory_bytes)
+    if num_processes > 1 and cache.num_host_blocks:  # also when the job came from JAX's environment
+        raise ValueError("swap_space is not supported by a multi-process engine yet")
+    if num_processes > 1 and args.async_scheduling:
+        raise ValueError("async_scheduling is not supported by a multi-process engine yet")
+    return EngineConfig(
+        model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
+        model_config=mc, cache=cache,
+        scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
+        runner=_runner_config(args, mc, platform, dtype, mnbt, speculative, num_processes,
+                              cpu_kernels_unavailable),
+        speculative=speculative,
+        structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
+
+
+def _max_model_len(asked: int | None, mc: ModelConfig) -> int:
+    """The model's limit unless a smaller one is asked; ValueError beyond it or beyond a
+    sliding window (not implemented)."""
+    limit = mc.max_position_embeddings
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len={asked} exceeds the model's maximum ({limit} positions)")
+    max_model_len = asked or limit
+    if mc.sliding_window is not None and mc.sliding_window < max_model_len:
+        raise ValueError(f"the model uses a sliding window of {mc.sliding_window} tokens, which jaxkv "
+                         f"does not implement; set max_model_len <= {mc.sliding_window}")
+    return max_model_len
+
+
+def _runner_config(args, mc: ModelConfig, platform: str, dtype: str, mnbt: int,
+                   speculative: SpeculativeConfig | None, num_processes: int,
+                   cpu_kernels_unavailable) -> RunnerConfig:
+    buckets, warmup_buckets = resolve_token_buckets(args.token_buckets, args.warmup_token_buckets,
+                                                    mnbt)
+    tp = args.tensor_parallel_size
+    backend = resolve_backend(args.attention_backend, platform, mc, tp, cpu_kernels_unavailable)
+    processes = max(num_processes, args.num_processes or 1)
+    return RunnerConfig(dtype, backend, buckets, args.max_logprobs, args.enforce_eager,
+                        warmup_buckets, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype), tp,
+                        num_processes=num_processes,
+                        async_scheduling=(args.async_scheduling is not False and speculative is None
+                                          and tp == 1 and processes == 1))
+
+
+def _cache_config(args, mc: ModelConfig, dtype: str, max_model_len: int,
+                  device_memory_bytes: int | None) -> CacheConfig:
+    """The KV pool's blocks (per device, as vLLM's budgets: with tensor parallelism a device
+    holds its KV heads only, all of them when they are replicated) and the lower tiers."""
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     kv_bytes = None if args.kv_cache_memory_bytes is None else parse_bytes(args.kv_cache_memory_bytes)
     tp = args.tensor_parallel_size
-    check_tensor_parallel(mc, tp)
-    # Per device, as vLLM's budgets: with tensor parallelism a device holds its KV heads only
-    # (all of them when they are replicated).
     budget = plan_kv_cache(
         num_layers=mc.num_layers, num_kv_heads=kv_heads_per_device(mc, tp), head_dim=mc.head_dim,
         dtype_bytes=DTYPE_BYTES[kv_dtype], scale_bytes=KV_SCALE_BYTES.get(kv_dtype, 0),
@@ -246,21 +320,8 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     if args.kv_cache_disk_dir is not None and disk_bytes < block_bytes + 8:
         raise ValueError(f"kv_cache_disk_bytes ({disk_bytes}) holds no KV block of this model "
                          f"({block_bytes + 8} bytes per file)")
-    return EngineConfig(
-        model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
-        model_config=mc,
-        cache=CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget,
-                          block_bytes, host_bytes // block_bytes, args.kv_cache_disk_dir, disk_bytes),
-        scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
-        runner=RunnerConfig(dtype, resolve_backend(args.attention_backend, platform), buckets,
-                            args.max_logprobs, args.enforce_eager, warmup_buckets, kv_dtype,
-                            args.tensor_parallel_size,
-                            async_scheduling=(args.async_scheduling is not False
-                                              and speculative is None
-                                              and args.tensor_parallel_size == 1
-                                              and (args.num_processes or 1) == 1)),
-        speculative=speculative,
-        structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
+    return CacheConfig(args.block_size, budget.num_blocks, args.enable_prefix_caching, budget,
+                       block_bytes, host_bytes // block_bytes, args.kv_cache_disk_dir, disk_bytes)
 
 
 def host_memory_bytes() -> int | None:

@@ -6,7 +6,7 @@ import itertools
 import logging
 
 from jaxkv.chat_utils import render_chat
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.logger import setup_logging
 from jaxkv.outputs import RequestOutput

@@ -27,7 +27,7 @@ def run_server(ns) -> int:
     import uvicorn
 
     from jaxkv.chat_utils import load_chat_template
-    from jaxkv.config import EngineArgs
+    from jaxkv.engine_args import EngineArgs
     from jaxkv.engine.async_llm import AsyncLLM
     from jaxkv.logger import setup_logging
     from jaxkv.loader.source import read_config
@@ -104,7 +104,7 @@ def run_server(ns) -> int:
 
 
 def add_serve_parser(sub) -> None:
-    from jaxkv.config import EngineArgs
+    from jaxkv.engine_args import EngineArgs
     from serve.tool_parsers import TOOL_CALL_PARSERS
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",

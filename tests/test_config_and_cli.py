@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.core.kv_budget import parse_bytes, plan_kv_cache
 
 
@@ -64,7 +64,7 @@ def test_plan_json_and_one_line_errors():
 def test_engine_config_is_resolved_once_per_platform_and_frozen():
     import dataclasses
 
-    from jaxkv.config import EngineArgs
+    from jaxkv.engine_args import EngineArgs
     from jaxkv.loader.source import read_config
     from jaxkv.models.model_config import ModelConfig
 
@@ -127,7 +127,7 @@ def test_every_engine_argument_is_a_flag_of_every_command():
     import dataclasses
 
     from jaxkv.cli import build_parser
-    from jaxkv.config import _arg
+    from jaxkv.engine_args import _arg
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     fields = {f.name for f in dataclasses.fields(EngineArgs)}

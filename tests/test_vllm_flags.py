@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv.chat_utils import load_chat_template
 from jaxkv.cli import build_parser, main
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 
 
 def test_flags_map_to_their_fields():

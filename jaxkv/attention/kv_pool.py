@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from pallas_kernels.validation import view_as
 
-from jaxkv.engine_config import KV_SCALE_BYTES
-
-SCALE_DTYPE = jnp.bfloat16  # KV_SCALE_BYTES (what the plan counts) are its 2 bytes
+# One scale per token and KV head; the plan counts its 2 bytes (jaxkv/engine_config.py's
+# KV_SCALE_BYTES, held to this pool's arrays by tests/attention/test_kv_pool_bytes.py).
+SCALE_DTYPE = jnp.bfloat16
 # Value types held as their bits (see the module docstring: XLA:CPU's scatter).
 _BITS = {"bfloat16": jnp.uint16, "float8_e4m3fn": jnp.uint8, "float8_e5m2": jnp.uint8}
 
@@ -73,8 +73,8 @@ def split_by_kv_head(pool: KVPool, axis: str):
 
 
 def is_quantized(dtype) -> bool:
-    """Whether a pool of this dtype stores scales (int8 and float8)."""
-    return jnp.dtype(dtype).name in KV_SCALE_BYTES
+    """Whether a pool of this dtype stores scales: the one-byte dtypes (int8 and float8)."""
+    return jnp.dtype(dtype).itemsize == 1
 
 
 def new_kv_pool(shape: tuple[int, int, int, int, int], dtype) -> KVPool:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.engine_config import EngineConfig
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.disk_tier import CorruptBlockError

@@ -4,7 +4,6 @@ buckets), and start the background compiler of the other buckets."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -35,36 +34,14 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def attention_backend(config, mesh, asked: str, platform: str = "cpu") -> str:
-    """The resolved backend, checked against what this machine and mesh allow: a kernel run
-    per device (pallas, cpu) needs the KV heads split over a tensor-parallel mesh; the cpu
-    kernel needs a C++ compiler. When the backend came from "auto", "cpu" falls back to "xla"
-    (with a log line) instead of failing; otherwise a ValueError says why."""
-    from jaxkv import cpu_kernels
-    from jaxkv.models.sharding import kv_heads_split
-    backend, mc = config.runner.attention_backend, config.model_config
-    why = None
-    if backend == "cpu" and platform != "cpu":
-        why = f"attention_backend cpu runs on a CPU only, not on {platform} (use pallas or xla)"
-    elif backend in ("pallas", "cpu") and mesh is not None and not kv_heads_split(mc, mesh):
-        why = (f"attention_backend {backend} with tensor_parallel_size "
-               f"{config.runner.tensor_parallel_size} needs the KV heads ({mc.num_kv_heads}) "
-               "split over the devices, not replicated (use the xla backend)")
-    elif backend == "cpu":
-        why = cpu_kernels.unavailable()
-    if why is None:
-        if backend == "cpu":
-            info = cpu_kernels.build_info
-            logger.info("attention backend: cpu (C++ ragged paged attention, %s in %.1f s)",
-                        "loaded" if info.get("cached") else "compiled", info.get("seconds", 0.0))
-        else:
-            logger.info("attention backend: %s", backend)
-        return backend
-    if asked == "auto" and backend == "cpu":
-        logger.warning("%s; using the xla attention backend", why)
-        logger.info("attention backend: xla")
-        return "xla"
-    raise ValueError(why)
+def log_attention_backend(backend: str) -> None:
+    if backend == "cpu":
+        from jaxkv import cpu_kernels
+        info = cpu_kernels.build_info
+        logger.info("attention backend: cpu (C++ ragged paged attention, %s in %.1f s)",
+                    "loaded" if info.get("cached") else "compiled", info.get("seconds", 0.0))
+    else:
+        logger.info("attention backend: %s", backend)
 
 
 def cpu_matmul_wanted(runner_config, mesh) -> bool:
@@ -106,11 +83,12 @@ def build_engine(cls, args):
     import jax
     import jax.numpy as jnp
 
+    from jaxkv import cpu_kernels
     from jaxkv.attention import get_attention
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
-    from jaxkv.loader.converted import is_converted, restore_params
-    from jaxkv.loader.source import load_checkpoint, load_tokenizer
+    from jaxkv.loader.converted import restore_params
+    from jaxkv.loader.source import is_converted, load_checkpoint, load_tokenizer
     from jaxkv.models import cpu_linear
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig
@@ -131,24 +109,17 @@ def build_engine(cls, args):
         logger.info("tokenizer: %s (not the model's own)", args.tokenizer)
     config = args.create_engine_config(platform=platform,
                                        model_config=ModelConfig.from_hf_config(ckpt.config),
-                                       device_memory_bytes=device_memory_bytes(platform))
-    if jax.process_count() > 1:
+                                       device_memory_bytes=device_memory_bytes(platform),
+                                       num_processes=jax.process_count(),
+                                       cpu_kernels_unavailable=cpu_kernels.unavailable)
+    if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
         multiprocess.check_mesh(config.runner.tensor_parallel_size)
-        if config.cache.num_host_blocks:  # also when the job came from JAX's environment
-            raise ValueError("swap_space is not supported by a multi-process engine yet")
+        config = multiprocess.share_config(config)
+    log_attention_backend(config.runner.attention_backend)
     mesh = None
     if config.runner.tensor_parallel_size > 1:
         from jaxkv.models.sharding import make_mesh
         mesh = make_mesh(config.runner.tensor_parallel_size)
-    config = dataclasses.replace(config, runner=dataclasses.replace(
-        config.runner,
-        attention_backend=attention_backend(config, mesh, args.attention_backend, platform)))
-    if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
-        if args.async_scheduling:  # the processes came from JAX's environment
-            raise ValueError("async_scheduling is not supported by a multi-process engine yet")
-        config = multiprocess.share_config(dataclasses.replace(
-            config, runner=dataclasses.replace(config.runner, num_processes=jax.process_count(),
-                                               async_scheduling=False)))
     mc, rc = config.model_config, config.runner
     cpu_matmul = cpu_matmul_wanted(rc, mesh)
     if cpu_matmul:

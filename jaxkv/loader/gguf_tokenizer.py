@@ -13,6 +13,8 @@ from functools import lru_cache
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from jaxkv.loader.gguf_header import read_gguf_metadata  # fast: GGUFReader takes ~3 s
+
 _CONTROL, _USER_DEFINED = 3, 4
 
 _LLAMA3_SPLIT = (
@@ -61,8 +63,6 @@ def _metadata(reader_or_path) -> dict:
     if isinstance(reader_or_path, GGUFReader):
         return {key: field.contents() for key, field in reader_or_path.fields.items()
                 if key.startswith("tokenizer.")}
-    from jaxkv.loader.gguf import read_gguf_metadata  # fast header parser (GGUFReader takes ~3 s)
-
     return read_gguf_metadata(reader_or_path, strings=_STRING_KEYS)[0]
 
 

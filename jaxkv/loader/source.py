@@ -5,6 +5,15 @@ from __future__ import annotations
 
 import os
 
+PARAMS = "params"  # the orbax checkpoint's folder inside a converted folder
+
+
+def is_converted(path: str | None) -> bool:
+    """Whether `path` is a folder written by `jaxkv convert` (jaxkv/loader/converted.py): a
+    config.json beside a params/ checkpoint."""
+    return (path is not None and os.path.isdir(os.path.join(path, PARAMS))
+            and os.path.isfile(os.path.join(path, "config.json")))
+
 
 def load_checkpoint(model: str | None, load_format: str = "auto"):
     """Returns a Checkpoint (tensors empty for load_format="dummy", and for a converted folder,
@@ -33,7 +42,6 @@ def load_checkpoint(model: str | None, load_format: str = "auto"):
             from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
             return Checkpoint(read_gguf_config(model), {}, tokenizer_from_gguf(model))
         return load_gguf(model)
-    from jaxkv.loader.converted import is_converted
     if is_converted(model) and load_format in ("auto", "dummy"):
         from transformers import AutoTokenizer
         return Checkpoint(read_config(model), {}, AutoTokenizer.from_pretrained(model))

@@ -189,21 +189,20 @@ def test_engine_refuses_cpu_backend_where_it_cannot_run(monkeypatch, caplog):
     ValueError; "auto" falls back to xla with a warning when the kernel cannot be built."""
     from types import SimpleNamespace
 
-    from jaxkv.engine.setup import attention_backend
-    cfg = SimpleNamespace(runner=SimpleNamespace(attention_backend="cpu", tensor_parallel_size=4),
-                          model_config=SimpleNamespace(num_kv_heads=3))
+    from jaxkv.engine_config import resolve_backend
+    mc = SimpleNamespace(num_kv_heads=3)
+    check = cpu_kernels.unavailable
     with pytest.raises(ValueError, match="CPU only, not on gpu"):
-        attention_backend(cfg, None, "cpu", "gpu")
-    mesh = SimpleNamespace(size=4)
+        resolve_backend("cpu", "gpu", mc, 1, check)
     with pytest.raises(ValueError, match=r"KV heads \(3\)"):
-        attention_backend(cfg, mesh, "cpu", "cpu")
-    assert attention_backend(cfg, mesh, "auto", "cpu") == "xla"
+        resolve_backend("cpu", "cpu", mc, 4, check)
+    assert resolve_backend("auto", "cpu", mc, 4, check) == "xla"
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     monkeypatch.setattr(cpu_kernels, "_error", "no C++ compiler found")
     with pytest.raises(ValueError, match="cannot be built: no C\\+\\+ compiler"):
-        attention_backend(cfg, None, "cpu", "cpu")
+        resolve_backend("cpu", "cpu", mc, 1, check)
     with caplog.at_level("WARNING", logger="jaxkv"):
-        assert attention_backend(cfg, None, "auto", "cpu") == "xla"
+        assert resolve_backend("auto", "cpu", mc, 1, check) == "xla"
     assert "using the xla attention backend" in caplog.text
 
 

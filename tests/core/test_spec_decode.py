@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.core.block_pool import hash_block_tokens
 from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxkv.core.request import Request, RequestStatus

@@ -167,7 +167,7 @@ def test_min_tokens_ban_follows_the_output_count():
 
 
 def test_async_scheduling_is_refused_where_unsupported():
-    from jaxkv.config import EngineArgs
+    from jaxkv.engine_args import EngineArgs
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling"):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.engine.async_llm import AsyncLLM
 from tests.helpers import assert_same_or_near_tie, margins_from_logprobs
 

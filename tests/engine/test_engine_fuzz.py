@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
 from jaxkv.engine.llm_engine import LLMEngine

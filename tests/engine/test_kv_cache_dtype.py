@@ -134,7 +134,7 @@ def test_kernels_refuse_bad_scales():
 
 
 def test_plan_capacity():
-    from jaxkv.config import EngineArgs
+    from jaxkv.engine_args import EngineArgs
     from jaxkv.engine_config import create_engine_config
     from jaxkv.models.model_config import ModelConfig
     from jaxkv.loader.source import read_config

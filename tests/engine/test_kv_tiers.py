@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.core.block_pool import hash_block_tokens
 from tests.conftest import TEST_ENGINE
 from tests.engine.test_preemption import workload

@@ -16,7 +16,7 @@ from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
 from jaxkv.core.scheduler_output import RunnerOutput
 from jaxkv.core.spec_decode import SpeculativeConfig
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.models.model_config import ModelConfig
 

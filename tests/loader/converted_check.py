@@ -18,7 +18,8 @@ def main(out: str) -> dict:
     import numpy as np
 
     from jaxkv import LLM, SamplingParams
-    from jaxkv.loader.converted import PARAMS, convert, is_converted, restore_params
+    from jaxkv.loader.converted import PARAMS, convert, restore_params
+    from jaxkv.loader.source import is_converted
     from jaxkv.loader.source import read_config
     from jaxkv.models.llama import LlamaModel
     from jaxkv.models.model_config import ModelConfig

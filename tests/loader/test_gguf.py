@@ -225,7 +225,7 @@ def test_split_regex_tokenizer_matches_transformers(tmp_path, gguf_path):
     pytest.importorskip("torch")
     from transformers import AutoTokenizer
 
-    from jaxkv.loader.gguf import read_gguf_metadata
+    from jaxkv.loader.gguf_header import read_gguf_metadata
 
     from jaxkv.loader.gguf_tokenizer import byte_level_alphabet
 

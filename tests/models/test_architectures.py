@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxkv.loader.gguf import embedded_model_path
 from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jaxkv.config import EngineArgs
+from jaxkv.engine_args import EngineArgs
 from tests.helpers import assert_same_or_near_tie
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

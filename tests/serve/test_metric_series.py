@@ -67,7 +67,7 @@ def test_request_token_and_tpot_histograms():
 
 
 def test_metrics_prefix_renames_every_series_and_cache_config_info():
-    from jaxkv.config import EngineArgs
+    from jaxkv.engine_args import EngineArgs
 
     def names(prefix):
         lg = PrometheusStatLogger(lambda: IDLE, "m", prefix=prefix,

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 from jaxkv.core.kv_budget import parse_bytes
 from jaxkv.core.spec_decode import SpeculativeConfig
+from jaxkv.engine_config import ATTENTION_BACKENDS, check_batched_tokens, create_engine_config
 from jaxkv.structured_outputs import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM), plus int8;
 # the one-byte ones carry a scale per token and KV head (jaxkv/attention/kv_pool.py).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
-ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "xla")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -40,13 +40,6 @@ def _positive_int(x) -> bool:
         return not isinstance(x, bool) and operator.index(x) >= 1
     except TypeError:
         return False
-
-
-def check_batched_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> None:
-    """ValueError unless every running sequence can get a token in a step (vLLM's rule)."""
-    if max_num_batched_tokens < max_num_seqs:
-        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than "
-                         f"or equal to max_num_seqs ({max_num_seqs})")
 
 
 def _arg(default, help: str, **cli):
@@ -258,12 +251,11 @@ class EngineArgs:
             bad("enforce_eager", "cannot run a multi-process engine (num_processes > 1): its "
                 "processes run the same compiled programs")
 
-    def create_engine_config(self, *, platform: str, model_config=None,
-                             device_memory_bytes: int | None = None):
-        """Every value resolved once, frozen (jaxkv.engine_config.create_engine_config)."""
-        from jaxkv.engine_config import create_engine_config
-        return create_engine_config(self, platform=platform, model_config=model_config,
-                                    device_memory_bytes=device_memory_bytes)
+    def create_engine_config(self, *, platform: str, **machine):
+        """Every value resolved once, frozen: jaxkv.engine_config.create_engine_config, whose
+        keyword arguments (model_config, device_memory_bytes, num_processes,
+        cpu_kernels_unavailable) `machine` passes on."""
+        return create_engine_config(self, platform=platform, **machine)
 
     # ---- the command line (vLLM's add_cli_args / from_cli_args) -----------------------------
     @classmethod
