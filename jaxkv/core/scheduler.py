@@ -34,7 +34,7 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
-from .structured_output import wait_for_any
+from .structured_output import StructuredOutputManager, wait_for_any
 
 if TYPE_CHECKING:
     from jaxkv.engine_config import SchedulerConfig
@@ -42,7 +42,10 @@ if TYPE_CHECKING:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None,
+                 structured_output_manager: StructuredOutputManager | None = None):
+        """kv: the KV cache manager; structured_output_manager: fills the grammar bitmasks of
+        constrained rows (None: constrained requests cannot be scheduled)."""
         self.kv = kv
         self.config = config
         self.preemption_mode = config.preemption_mode
@@ -57,8 +60,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0
         self.proposer = NgramProposer(speculative) if speculative else None
-        # Set by the engine build: fills the grammar bitmasks of constrained rows.
-        self.structured_output_manager = None
+        self.structured_output_manager = structured_output_manager
         self.spec_stats = (SpecDecodingStats(speculative.num_speculative_tokens)
                            if speculative else None)
         # Journal of the step being scheduled: (request, was running, prefix lookup counted

@@ -13,7 +13,6 @@ from jaxkv.engine_config import EngineConfig
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.disk_tier import CorruptBlockError
 from jaxkv.core.request import Request, RequestStatus
-from jaxkv.core.structured_output import StructuredOutputManager
 from jaxkv.engine.stats import EngineStats
 from jaxkv.outputs import RequestOutput
 from jaxkv.sampling_params import SamplingParams
@@ -49,7 +48,8 @@ class LLMEngine:
     """Build with `LLMEngine.from_engine_args(EngineArgs(...))` (see jaxkv.engine.setup)."""
 
     def __init__(self, config: EngineConfig, tokenizer, scheduler, runner):
-        """config: the resolved EngineConfig; scheduler: a Scheduler over the KV cache manager;
+        """config: the resolved EngineConfig; scheduler: a Scheduler over the KV cache manager,
+        with the StructuredOutputManager of this tokenizer, which the engine uses too;
         runner: a ModelRunner (or anything with its execute / recover_kv_cache)."""
         self.config = config
         self.model_config = config.model_config
@@ -63,9 +63,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._pending_outputs: list[RequestOutput] = []  # made by a step that then raised
-        self.structured_output_manager = StructuredOutputManager(
-            tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        scheduler.structured_output_manager = self.structured_output_manager
+        self.structured_output_manager = scheduler.structured_output_manager
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -52,14 +52,13 @@ def cpu_matmul_wanted(runner_config, mesh) -> bool:
             and mesh is None)
 
 
-def kv_tiers(runner, config, args):
-    """The KV cache's host and disk tiers (or None), and the runner's side of them."""
+def kv_tiers(config, args):
+    """The KV cache's host and disk tiers (or None, None): the host side's bookkeeping."""
     cc = config.cache
     if not cc.num_host_blocks:
         return None, None
     from jaxkv.core.disk_tier import DiskTier, fingerprint_files
     from jaxkv.core.host_tier import HostTier
-    from jaxkv.runner.kv_offload import KVOffload
     host, disk = HostTier(cc.num_host_blocks), None
     if cc.kv_cache_disk_dir is not None:
         from jaxkv.loader.gguf import embedded_model_path
@@ -71,8 +70,6 @@ def kv_tiers(runner, config, args):
                     "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
                     "head_dim": mc.head_dim}
         disk = DiskTier(cc.kv_cache_disk_dir, cc.kv_cache_disk_bytes, cc.block_bytes, identity)
-    runner.offload = KVOffload(runner.kv_cache, cc.num_host_blocks, disk.dir if disk else None)
-    assert runner.offload.block_nbytes == cc.block_bytes, (runner.offload.block_nbytes, cc.block_bytes)
     logger.info("KV cache tiers: host %d blocks (%.2f GiB)%s", cc.num_host_blocks,
                 cc.num_host_blocks * cc.block_bytes / 2**30,
                 f", disk {disk.max_blocks} blocks ({disk.num_used} found) in {disk.dir}" if disk else "")
@@ -87,6 +84,7 @@ def build_engine(cls, args):
     from jaxkv.attention import get_attention
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
+    from jaxkv.core.structured_output import StructuredOutputManager
     from jaxkv.loader.converted import restore_params
     from jaxkv.loader.source import is_converted, load_checkpoint, load_tokenizer
     from jaxkv.models import cpu_linear
@@ -142,12 +140,14 @@ def build_engine(cls, args):
                 f"; per device of tensor_parallel_size {rc.tensor_parallel_size}"
                 if rc.tensor_parallel_size > 1 else "")
 
-    runner = ModelRunner(model, params, config)
     cc = config.cache
-    host, disk = kv_tiers(runner, config, args)
+    host, disk = kv_tiers(config, args)
+    runner = ModelRunner(model, params, config, kv_disk_dir=disk.dir if disk else None)
+    assert runner.offload is None or runner.offload.block_nbytes == cc.block_bytes, cc.block_bytes
     scheduler = Scheduler(KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                          host, disk),
-                          config.scheduler, config.speculative)
+                          config.scheduler, config.speculative,
+                          StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids))
     if config.speculative is not None:
         logger.info("speculative decoding: %s", config.speculative.to_dict())
     logger.info("loaded %s (%s, %s, %.1f M params) in %.1f s", args.model or "SmolLM2-135M-Instruct",

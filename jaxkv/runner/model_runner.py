@@ -37,6 +37,7 @@ from jaxkv.runner.buckets import num_rows, pick_bucket
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, compile_bucket
 from jaxkv.runner.input_builder import build_step_input, rope_tables
+from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.runner_sampling import RunnerSampling
 from jaxkv.step_input import StepInput
 
@@ -44,9 +45,12 @@ logger = logging.getLogger("jaxkv")
 
 
 class ModelRunner(RunnerSampling):
-    def __init__(self, model: LlamaModel, params, config: EngineConfig):
+    def __init__(self, model: LlamaModel, params, config: EngineConfig,
+                 kv_disk_dir: str | None = None):
         """model/params: the Flax model and its weights; config: the engine's resolved record
-        (pool size, buckets, max_model_len, max_num_seqs, max_logprobs, enforce_eager)."""
+        (pool size, buckets, max_model_len, max_num_seqs, max_logprobs, enforce_eager, the
+        host tier's blocks); kv_disk_dir: the disk tier's folder of this model identity
+        (jaxkv.core.disk_tier.DiskTier.dir) or None."""
         rc, cc = config.runner, config.cache
         self.config = config
         self.model, self.params = model, params
@@ -96,9 +100,9 @@ class ModelRunner(RunnerSampling):
         # A multi-process engine's leader (process 0): sends each step to the other processes
         # before running it (jaxkv.runner.multiprocess.Leader); None in one process.
         self.leader = None
-        # The host and disk tiers' copies (jaxkv.runner.kv_offload.KVOffload), set by the
-        # engine build when they are on; None otherwise.
-        self.offload = None
+        # The host and disk tiers' copies (jaxkv.runner.kv_offload.KVOffload) when they are on.
+        self.offload = (KVOffload(self.kv_cache, cc.num_host_blocks, kv_disk_dir)
+                        if cc.num_host_blocks else None)
         self.compiles = CompileCounter()  # every program this runner's calls compile
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated;

@@ -22,6 +22,7 @@ import pytest
 from jaxkv.engine_args import EngineArgs
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
+from jaxkv.core.structured_output import StructuredOutputManager
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.core.scheduler_output import RunnerOutput
@@ -121,9 +122,11 @@ def make_engine(rng, num_blocks, budget, max_num_seqs, caching, fail_p):
                       enable_prefix_caching=caching)
     config = args.create_engine_config(platform="cpu", model_config=mc)
     kv = KVCacheManager(num_blocks, BS, caching)
-    sched = Scheduler(kv, config.scheduler)
+    tokenizer = FakeTokenizer()
+    sched = Scheduler(kv, config.scheduler, None,
+                      StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids))
     runner = FakeRunner(rng, fail_p)
-    engine = LLMEngine(config, FakeTokenizer(), sched, runner)
+    engine = LLMEngine(config, tokenizer, sched, runner)
     runner.engine = engine
     return engine
 

@@ -14,6 +14,7 @@ import pytest
 import tests.engine.test_engine_fuzz as F
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
+from jaxkv.core.structured_output import StructuredOutputManager
 from jaxkv.core.scheduler_output import RunnerOutput
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.engine_args import EngineArgs
@@ -77,9 +78,11 @@ def make_engine(rng, num_blocks, budget, max_num_seqs, caching, fail_p):
     config = args.create_engine_config(platform="cpu", model_config=mc)
     spec = SpeculativeConfig.from_value({"num_speculative_tokens": rng.choice([1, 3, 5]),
                                          "prompt_lookup_max": 3, "prompt_lookup_min": rng.choice([1, 2])})
-    sched = Scheduler(KVCacheManager(num_blocks, F.BS, caching), config.scheduler, spec)
+    tokenizer = F.FakeTokenizer()
+    sched = Scheduler(KVCacheManager(num_blocks, F.BS, caching), config.scheduler, spec,
+                      StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids))
     runner = SpecRunner(rng, fail_p)
-    engine = LLMEngine(config, F.FakeTokenizer(), sched, runner)
+    engine = LLMEngine(config, tokenizer, sched, runner)
     runner.engine = engine
     return engine
 
