@@ -77,36 +77,71 @@ def kv_tiers(config, args):
 
 
 def build_engine(cls, args):
+    """EngineArgs -> a warmed-up engine of class `cls` (LLMEngine): the checkpoint and
+    tokenizer, the EngineConfig (resolved once), the model and its params, the runner, the
+    scheduler over the KV cache manager (and tiers), warmup, then the background compiler. A
+    multi-process follower never returns: it serves the leader's steps, then exits."""
     import jax
-    import jax.numpy as jnp
 
-    from jaxkv import cpu_kernels
-    from jaxkv.attention import get_attention
-    from jaxkv.core.kv_cache_manager import KVCacheManager
-    from jaxkv.core.scheduler import Scheduler
-    from jaxkv.core.structured_output import StructuredOutputManager
-    from jaxkv.loader.converted import restore_params
-    from jaxkv.loader.source import is_converted, load_checkpoint, load_tokenizer
-    from jaxkv.models import cpu_linear
-    from jaxkv.models.llama import LlamaModel
-    from jaxkv.models.model_config import ModelConfig
-    from jaxkv.models.params import dummy_params, params_from_tensors
-    from jaxkv.runner import fused_greedy
-    from jaxkv.runner.model_runner import ModelRunner
-
+    from jaxkv.loader.source import load_checkpoint, load_tokenizer
     from jaxkv.runner import multiprocess
+    from jaxkv.runner.model_runner import ModelRunner
 
     t0 = time.perf_counter()
     if multiprocess.wanted(args):  # before JAX starts its backends
         multiprocess.initialize(args)
     enable_compilation_cache()
-    platform = jax.default_backend()
     ckpt = load_checkpoint(args.model, args.load_format)
     tokenizer = ckpt.tokenizer if args.tokenizer is None else load_tokenizer(args.tokenizer)
     if args.tokenizer is not None:
         logger.info("tokenizer: %s (not the model's own)", args.tokenizer)
+    config = resolve_config(args, ckpt.config)
+    mesh = None
+    if config.runner.tensor_parallel_size > 1:
+        from jaxkv.models.sharding import make_mesh
+        mesh = make_mesh(config.runner.tensor_parallel_size)
+    model = build_model(config, mesh)
+    params = load_params(args, model, ckpt, mesh)
+    logger.info("%s (%s)%s", config.cache.budget.log_line(), config.runner.kv_cache_dtype,
+                f"; per device of tensor_parallel_size {config.runner.tensor_parallel_size}"
+                if config.runner.tensor_parallel_size > 1 else "")
+    host, disk = kv_tiers(config, args)
+    runner = ModelRunner(model, params, config, kv_disk_dir=disk.dir if disk else None)
+    assert runner.offload is None or runner.offload.block_nbytes == config.cache.block_bytes
+    scheduler = build_scheduler(config, tokenizer, host, disk)
+    mc = config.model_config
+    logger.info("loaded %s (%s, %s, %.1f M params) in %.1f s", args.model or "SmolLM2-135M-Instruct",
+                mc.architecture, config.runner.dtype,
+                sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6, time.perf_counter() - t0)
+    warm_up(runner, config.runner)
+    if jax.process_index() > 0:  # a follower: never an engine of its own
+        runner.start_background_compile()
+        multiprocess.follow(runner)
+        jax.distributed.shutdown()
+        raise SystemExit(0)
+    if jax.process_count() > 1:
+        runner.leader = multiprocess.Leader()
+    if config.runner.async_scheduling:
+        logger.info("async scheduling: the next decode step is dispatched before this step's "
+                    "tokens reach the host")
+    engine = cls(config, tokenizer, scheduler, runner)
+    compiler = runner.start_background_compile()
+    if compiler is not None:  # a dropped engine stops its compiler (the thread holds the runner)
+        weakref.finalize(engine, compiler.cancel)
+    return engine
+
+
+def resolve_config(args, hf_config: dict):
+    """The EngineConfig for this machine and job (a multi-process job takes the leader's)."""
+    import jax
+
+    from jaxkv import cpu_kernels
+    from jaxkv.models.model_config import ModelConfig
+    from jaxkv.runner import multiprocess
+
+    platform = jax.default_backend()
     config = args.create_engine_config(platform=platform,
-                                       model_config=ModelConfig.from_hf_config(ckpt.config),
+                                       model_config=ModelConfig.from_hf_config(hf_config),
                                        device_memory_bytes=device_memory_bytes(platform),
                                        num_processes=jax.process_count(),
                                        cpu_kernels_unavailable=cpu_kernels.unavailable)
@@ -114,10 +149,18 @@ def build_engine(cls, args):
         multiprocess.check_mesh(config.runner.tensor_parallel_size)
         config = multiprocess.share_config(config)
     log_attention_backend(config.runner.attention_backend)
-    mesh = None
-    if config.runner.tensor_parallel_size > 1:
-        from jaxkv.models.sharding import make_mesh
-        mesh = make_mesh(config.runner.tensor_parallel_size)
+    return config
+
+
+def build_model(config, mesh):
+    """The Flax model of the config: its attention backend, and the C++ matmuls where wanted."""
+    import jax.numpy as jnp
+
+    from jaxkv.attention import get_attention
+    from jaxkv.models import cpu_linear
+    from jaxkv.models.llama import LlamaModel
+    from jaxkv.runner import fused_greedy
+
     mc, rc = config.model_config, config.runner
     cpu_matmul = cpu_matmul_wanted(rc, mesh)
     if cpu_matmul:
@@ -129,6 +172,16 @@ def build_engine(cls, args):
     if fused_greedy.max_tokens(model):
         logger.info("greedy sampling fused into the step programs of token buckets <= %d",
                     fused_greedy.max_tokens(model))
+    return model
+
+
+def load_params(args, model, ckpt, mesh):
+    """The model's params: random (load_format="dummy"), restored from a converted folder, or
+    made from the checkpoint's tensors (which are dropped afterwards)."""
+    from jaxkv.loader.converted import restore_params
+    from jaxkv.loader.source import is_converted
+    from jaxkv.models.params import dummy_params, params_from_tensors
+
     if args.load_format == "dummy":
         params = dummy_params(model, args.seed)
     elif is_converted(args.model):
@@ -136,41 +189,31 @@ def build_engine(cls, args):
     else:
         params = params_from_tensors(model, ckpt.tensors)
     del ckpt.tensors
-    logger.info("%s (%s)%s", config.cache.budget.log_line(), rc.kv_cache_dtype,
-                f"; per device of tensor_parallel_size {rc.tensor_parallel_size}"
-                if rc.tensor_parallel_size > 1 else "")
+    return params
 
-    cc = config.cache
-    host, disk = kv_tiers(config, args)
-    runner = ModelRunner(model, params, config, kv_disk_dir=disk.dir if disk else None)
-    assert runner.offload is None or runner.offload.block_nbytes == cc.block_bytes, cc.block_bytes
-    scheduler = Scheduler(KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                         host, disk),
-                          config.scheduler, config.speculative,
-                          StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids))
+
+def build_scheduler(config, tokenizer, host, disk):
+    """The Scheduler over a KV cache manager of the config's pool (and tiers), with the
+    structured-output manager of this tokenizer."""
+    from jaxkv.core.kv_cache_manager import KVCacheManager
+    from jaxkv.core.scheduler import Scheduler
+    from jaxkv.core.structured_output import StructuredOutputManager
+
+    cc, mc = config.cache, config.model_config
     if config.speculative is not None:
         logger.info("speculative decoding: %s", config.speculative.to_dict())
-    logger.info("loaded %s (%s, %s, %.1f M params) in %.1f s", args.model or "SmolLM2-135M-Instruct",
-                mc.architecture, rc.dtype,
-                sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6, time.perf_counter() - t0)
-    if not rc.enforce_eager:
-        secs, n = runner.warmup()
-        rest = [t for t in rc.token_buckets if t not in rc.warmup_token_buckets]
-        logger.info("warmup compiled %d programs in %.1f s (token buckets %s)%s", n, secs,
-                    list(rc.warmup_token_buckets),
-                    f"; token buckets {rest} compile in the background" if rest else "")
-    if jax.process_index() > 0:  # a follower: never an engine of its own
-        runner.start_background_compile()
-        multiprocess.follow(runner)
-        jax.distributed.shutdown()
-        raise SystemExit(0)
-    if jax.process_count() > 1:
-        runner.leader = multiprocess.Leader()
-    if rc.async_scheduling:
-        logger.info("async scheduling: the next decode step is dispatched before this step's "
-                    "tokens reach the host")
-    engine = cls(config, tokenizer, scheduler, runner)
-    compiler = runner.start_background_compile()
-    if compiler is not None:  # a dropped engine stops its compiler (the thread holds the runner)
-        weakref.finalize(engine, compiler.cancel)
-    return engine
+    return Scheduler(KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                    host, disk),
+                     config.scheduler, config.speculative,
+                     StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids))
+
+
+def warm_up(runner, rc) -> None:
+    """Compile the warmup token buckets' programs (none with enforce_eager)."""
+    if rc.enforce_eager:
+        return
+    secs, n = runner.warmup()
+    rest = [t for t in rc.token_buckets if t not in rc.warmup_token_buckets]
+    logger.info("warmup compiled %d programs in %.1f s (token buckets %s)%s", n, secs,
+                list(rc.warmup_token_buckets),
+                f"; token buckets {rest} compile in the background" if rest else "")
