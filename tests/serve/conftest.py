@@ -1,9 +1,11 @@
 """One real `jaxkv serve` process (embedded model, loopback, a free port) shared by the server
-tests, with an API key so that every test also exercises authentication."""
+tests, with an API key so that every test also exercises authentication; the embedded model's
+tokenizer; and helpers that several server test files import."""
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import subprocess
@@ -129,6 +131,14 @@ def server():
 
 
 @pytest.fixture(scope="session")
+def tok():
+    """The embedded model's tokenizer, read from its GGUF."""
+    from jaxkv.loader.gguf import embedded_model_path
+    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+    return tokenizer_from_gguf(embedded_model_path())
+
+
+@pytest.fixture(scope="session")
 def client(server):
     from openai import OpenAI
     return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
@@ -152,3 +162,24 @@ def join_tool_calls(r, stream: bool):
                 c["arguments"] += t.function.arguments or ""
             finish = ch.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
+
+
+def _sse(server, path, body) -> list:
+    """The data: payloads of a streamed response, parsed; the last one must be [DONE]."""
+    with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _ok(r):
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _err(r, param):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param, err
+    return err["message"]
