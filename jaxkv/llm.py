@@ -84,9 +84,9 @@ class LLM:
         for rid, p, sp in zip(ids, prompts, params):  # validate all before queueing any
             sp = sp.clone()
             sp.output_kind = RequestOutputKind.FINAL_ONLY
-            checked.append((rid, *engine.process_inputs(rid, p, sp)))
+            checked.append(engine.process_inputs(rid, p, sp))
         for c in checked:
-            engine.add_processed(*c)
+            engine.add_processed(c)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -105,7 +105,8 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     created, n = int(time.time()), req.n
     tok = ctx.engine.get_tokenizer()
     token_text = ctx.engine.engine.output_processor.token_text
-    prompt_text = [pr[0] if pr[0] is not None else tok.decode(pr[1]) for pr in batch.processed]
+    prompt_text = [pr.prompt if pr.prompt is not None else tok.decode(pr.prompt_token_ids)
+                   for pr in batch.processed]
     state = {"echoed": set(), "prompt_lp": {}, "offset": {}}
     usage = UsageAccumulator()
 

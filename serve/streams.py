@@ -28,7 +28,7 @@ class RequestBatch:
         self.engine, self.base_id = engine, base_id
         self.ids: list[str] = []
         self.streams = []
-        self.processed = []   # (text, token ids, params) per prompt, as the engine checked them
+        self.processed = []   # EngineCoreRequest per prompt, as the engine checked them
         self.finished: set[int] = set()
 
     def add(self, prompts, params) -> None:
@@ -41,8 +41,8 @@ class RequestBatch:
             raise bad_request(e) from e
         self.ids, self.processed = ids, processed
         try:
-            for rid, pr in zip(ids, processed):
-                self.streams.append(self.engine.add_processed(rid, pr))
+            for pr in processed:
+                self.streams.append(self.engine.add_processed(pr))
         except (EngineDeadError, ValueError) as e:  # nothing of this batch may run
             self.ids = self.ids[:len(self.streams)]  # never abort an id that is not ours
             self.abort()

@@ -70,6 +70,8 @@ class Request:
     cumulative_logprob: float | None = None
     # Structured outputs: this sequence's grammar matcher (jaxkv.core.structured_output).
     grammar: Any = None
+    # sampling_params.bad_words as token id sequences (the engine tokenized them)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.eos_token_ids is None:

@@ -229,7 +229,7 @@ class Scheduler:
             output_token_ids=req.output_token_ids if penalties else None,
             prompt_logprob_targets=targets,
             min_tokens_banned_ids=req.stop_ids if req.num_output_tokens < sp.min_tokens else [],
-            spec_token_ids=draft)
+            spec_token_ids=draft, bad_words_token_ids=req.bad_words_token_ids)
 
     def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
         """Give back req's blocks: it computes again from its first token (or a prefix hit)."""

@@ -45,6 +45,7 @@ class ScheduledRequest:
     min_tokens_banned_ids: list[int] = field(default_factory=list)  # EOS + stop_token_ids
     spec_token_ids: list[int] = field(default_factory=list)
     grammar_bitmask: Any = None  # structured outputs: int32 [ceil(V / 32)] allowed tokens
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words
 
     @property
     def num_scheduled_tokens(self) -> int:

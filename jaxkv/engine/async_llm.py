@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from typing import AsyncIterator
 
+from jaxkv.engine.core_request import EngineCoreRequest
 from jaxkv.engine.kv_snapshot import kv_cache_snapshot
 from jaxkv.engine.llm_engine import child_request_id
 from jaxkv.engine.stat_logger import LoggingStatLogger
@@ -109,7 +110,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         processed = self.engine.process_inputs(request_id, prompt, params)
         with self._cond:
-            self._check_free(request_id, _sample_ids(request_id, processed[2].n))
+            self._check_free(request_id, _sample_ids(request_id, processed.sampling_params.n))
         return processed
 
     def _check_free(self, request_id: str, ids: frozenset) -> None:
@@ -121,11 +122,12 @@ class AsyncLLM:
                                  + ("" if s.request_id == request_id else
                                     f" (it collides with the sample ids of {s.request_id!r})"))
 
-    def add_processed(self, request_id: str, processed) -> RequestStream:
+    def add_processed(self, processed: EngineCoreRequest) -> RequestStream:
         """Queue a request checked by process_inputs; outputs arrive on the returned stream.
         Raises EngineDeadError if the engine has stopped (checked under the inbox lock, so a
         stream is never registered with a dead engine)."""
-        ids = _sample_ids(request_id, processed[2].n)
+        request_id = processed.request_id
+        ids = _sample_ids(request_id, processed.sampling_params.n)
         stream = RequestStream(request_id, asyncio.get_running_loop(), ids)
         with self._cond:
             if self.dead is not None:
@@ -138,7 +140,7 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> RequestStream:
         """Validate (ValueError, nothing queued) and queue one request; returns its stream."""
-        return self.add_processed(request_id, self.process_inputs(request_id, prompt, params))
+        return self.add_processed(self.process_inputs(request_id, prompt, params))
 
     async def generate(self, prompt, sampling_params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -206,9 +208,9 @@ class AsyncLLM:
                         cmd[2].set()
                         continue
                     if cmd[0] == "add":
-                        _, rid, (text, ids, params) = cmd
+                        _, rid, processed = cmd
                         try:
-                            engine.add_processed(rid, text, ids, params)
+                            engine.add_processed(processed)
                         except ValueError as e:  # that request alone fails; the engine goes on
                             self._finish_stream(rid, e)
                     else:

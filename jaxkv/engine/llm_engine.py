@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxkv.engine_args import EngineArgs
 from jaxkv.engine_config import EngineConfig
+from jaxkv.engine.core_request import EngineCoreRequest
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.disk_tier import CorruptBlockError
 from jaxkv.core.request import Request, RequestStatus
@@ -97,10 +98,12 @@ class LLMEngine:
         that does not compile (structured_outputs.<kind>), or a request that can never fit
         (prompt + max_tokens > max_model_len, or more blocks than the whole pool); nothing is
         queued then."""
-        self.add_processed(request_id, *self.process_inputs(request_id, prompt, params), arrival_time)
+        self.add_processed(self.process_inputs(request_id, prompt, params), arrival_time)
 
-    def process_inputs(self, request_id: str, prompt, params: SamplingParams | None = None):
-        """Validate and tokenize one request without queueing it: (text, ids, params)."""
+    def process_inputs(self, request_id: str, prompt, params: SamplingParams | None = None
+                       ) -> EngineCoreRequest:
+        """Validate and tokenize one request without queueing it (ValueError naming the field
+        when bad); the user's params are not changed."""
         params = (params or SamplingParams()).clone()
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
@@ -117,13 +120,13 @@ class LLMEngine:
             bad = [t for t in given if t >= vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if params.bad_words:
-            params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        grammar = None
         if params.structured_outputs is not None:  # checked here, compiled on the grammar pool
             so = getattr(self.config, "structured_outputs", None)
             if so is not None:
                 params.structured_outputs = so.apply(params.structured_outputs)
-            params._grammar = self.structured_output_manager.grammar(params.structured_outputs)
+            grammar = self.structured_output_manager.grammar(params.structured_outputs)
         params.top_k = min(params.top_k, vocab)  # as vLLM: top_k above the vocabulary keeps all
         max_logprobs = self.config.runner.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -144,7 +147,7 @@ class LLMEngine:
             raise ValueError(f"request needs {need} blocks ({len(ids)} prompt + {params.max_tokens} "
                              f"max_tokens), but the KV cache has only {kv.num_total_blocks}")
         self._check_request_id(request_id, params.n)
-        return text, ids, params
+        return EngineCoreRequest(request_id, text, ids, params, bad_words, grammar)
 
     def _check_request_id(self, request_id: str, n: int) -> None:
         """ValueError unless `request_id` and the ids of its n samples are all free: a user
@@ -159,9 +162,11 @@ class LLMEngine:
                 what = "" if rid == request_id else f" (the id of its sample {rid!r} is taken)"
                 raise ValueError(f"request_id {request_id!r} is already in use{what}")
 
-    def add_processed(self, request_id: str, text, ids, params, arrival_time=None) -> None:
+    def add_processed(self, request: EngineCoreRequest, arrival_time=None) -> None:
         """Queue a request already checked by process_inputs. ValueError (nothing queued) if
         its id or a sample's id was taken since."""
+        request_id, text, ids = request.request_id, request.prompt, request.prompt_token_ids
+        params = request.sampling_params
         self._check_request_id(request_id, params.n)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
         t = arrival_time or time.monotonic()
@@ -169,9 +174,10 @@ class LLMEngine:
         for j in range(params.n):
             rid = child_request_id(request_id, j, params.n)
             r = Request(rid, ids, params, self.eos_token_ids, seed, sample_index=j,
-                        parent_id=request_id, prompt=text)
-            if params.structured_outputs is not None:
-                r.grammar = self.structured_output_manager.new_state(params._grammar)
+                        parent_id=request_id, prompt=text,
+                        bad_words_token_ids=request.bad_words_token_ids)
+            if request.grammar is not None:
+                r.grammar = self.structured_output_manager.new_state(request.grammar)
             r.times.arrival_time = t
             children.append(r)
         self.output_processor.add_group(request_id, text, children)

@@ -92,7 +92,7 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
     allowed = [[] for _ in range(r)]
     for sp_ in spans:
         s, p = sp_.sched, sp_.sched.sampling_params
-        words = getattr(p, "_bad_words_token_ids", None) or []
+        words = s.bad_words_token_ids
         for j in range(sp_.count):
             i = sp_.row + j
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
