@@ -126,6 +126,36 @@ class SamplingParams:
     StructuredOutputsParams; a dict of its fields is accepted). Enforced token by token."""
 
     def __post_init__(self) -> None:
+        """Validate every field where it enters (ValueError naming the field and the value),
+        normalizing types and spellings (top_k -1 -> 0, a str stop -> [str], numeric strings as
+        logit_bias keys), in field groups."""
+        self._check_sampling()
+        self._check_penalties()
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed)
+            if not -2**63 <= self.seed < 2**64:
+                _fail("seed", "must fit in 64 bits", self.seed)
+        self._check_stops()
+        self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
+        self.spaces_between_special_tokens = _as_bool(
+            "spaces_between_special_tokens", self.spaces_between_special_tokens)
+        self.include_stop_str_in_output = _as_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+        self._check_lengths()
+        self._check_token_filters()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
+
+        if not isinstance(self.output_kind, RequestOutputKind):
+            _fail("output_kind", "must be a RequestOutputKind", self.output_kind)
+
+    def _check_sampling(self) -> None:
+        """n, temperature, top_p, top_k (-1 -> 0), min_p."""
         self.n = _as_int("n", self.n)
         if self.n < 1:
             _fail("n", "must be >= 1", self.n)
@@ -145,6 +175,8 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", "must be in [0, 1]", self.min_p)
 
+    def _check_penalties(self) -> None:
+        """repetition_penalty > 0; presence and frequency penalties in [-2, 2]."""
         self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             _fail("repetition_penalty", "must be > 0", self.repetition_penalty)
@@ -154,11 +186,8 @@ class SamplingParams:
                 _fail(name, "must be in [-2, 2]", value)
             setattr(self, name, value)
 
-        if self.seed is not None:
-            self.seed = _as_int("seed", self.seed)
-            if not -2**63 <= self.seed < 2**64:
-                _fail("seed", "must fit in 64 bits", self.seed)
-
+    def _check_stops(self) -> None:
+        """stop: strings, none empty; stop_token_ids: ints >= 0."""
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -182,14 +211,8 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "must be >= 0", self.stop_token_ids)
 
-        self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
-        self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
-        self.spaces_between_special_tokens = _as_bool(
-            "spaces_between_special_tokens", self.spaces_between_special_tokens)
-        self.include_stop_str_in_output = _as_bool(
-            "include_stop_str_in_output", self.include_stop_str_in_output
-        )
-
+    def _check_lengths(self) -> None:
+        """max_tokens >= 1, 0 <= min_tokens <= max_tokens, logprobs and prompt_logprobs >= 0."""
         if self.max_tokens is not None:
             self.max_tokens = _as_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -208,6 +231,8 @@ class SamplingParams:
                     _fail(name, "must be >= 0", value)
                 setattr(self, name, value)
 
+    def _check_token_filters(self) -> None:
+        """logit_bias (token id -> bias), allowed_token_ids, bad_words."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
@@ -231,15 +256,6 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 _fail("bad_words", "must contain only non-empty strings", self.bad_words)
-
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
-        if self.structured_outputs is not None and not isinstance(
-                self.structured_outputs, StructuredOutputsParams):
-            _fail("structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
-
-        if not isinstance(self.output_kind, RequestOutputKind):
-            _fail("output_kind", "must be a RequestOutputKind", self.output_kind)
 
     @property
     def is_greedy(self) -> bool:
