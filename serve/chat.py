@@ -72,6 +72,14 @@ def _logprob_content(entries, token_ids, k: int) -> list[ChatCompletionLogProbsC
 
 
 async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext, raw):
+    run = _prepare(req, ctx)
+    if req.stream:
+        return SSEResponse(sse_events(run.batch, run.chunks()))
+    return await collect_or_abort(raw, run.batch, run.collect())
+
+
+def _prepare(req: ChatCompletionRequest, ctx: ServerContext) -> "_ChatRun":
+    """Check the request (APIError 4xx naming the field), render and queue it."""
     ctx.check_model(req.model)
     check_unsupported(req, chat=True)
     mode = tool_mode(req, ctx)
@@ -97,88 +105,99 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext,
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
     last = req.messages[-1]
     echo = chat_utils.normalize_messages([last.as_dict()])[0]["content"] if req.echo and last.role == role else ""
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    batch = RequestBatch(ctx.engine, rid)
+    batch = RequestBatch(ctx.engine, f"chatcmpl-{uuid.uuid4().hex}")
     try:
         batch.add([prompt], params)
     except APIError as e:
         raise relabel(e, field) from e
-    created, usage = int(time.time()), UsageAccumulator()
-    tools = {}  # choice index -> ToolOutput (tool calls parsed from its text)
+    return _ChatRun(req, ctx, mode, k, role, echo, batch)
 
-    def tool_output(index: int) -> ToolOutput | None:
-        if mode == "none":
+
+class _ChatRun:
+    """A queued chat completion: its stream of chunks, or its collected response."""
+
+    def __init__(self, req, ctx, mode: str, k: int | None, role: str, echo: str,
+                 batch: RequestBatch):
+        self.req, self.ctx, self.mode, self.k = req, ctx, mode, k  # k: top logprobs, or None
+        self.role, self.echo, self.batch = role, echo, batch
+        self.rid, self.created, self.usage = batch.base_id, int(time.time()), UsageAccumulator()
+        self.tools = {}  # choice index -> ToolOutput (tool calls parsed from its text)
+
+    def tool_output(self, index: int) -> ToolOutput | None:
+        if self.mode == "none":
             return None
-        return tools.setdefault(index, ToolOutput(mode, req))
+        return self.tools.setdefault(index, ToolOutput(self.mode, self.req))
 
-    def lp_block(c) -> ChatCompletionLogProbs | None:
-        if k is None:
+    def lp_block(self, c) -> ChatCompletionLogProbs | None:
+        if self.k is None:
             return None
-        return ChatCompletionLogProbs(content=_logprob_content(c.logprobs or [], c.token_ids, k))
+        return ChatCompletionLogProbs(content=_logprob_content(c.logprobs or [], c.token_ids, self.k))
 
-    if req.stream:
-        def chunk(choices, usage_info: UsageInfo | None = None) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(id=rid, created=created, model=ctx.model_name,
-                                                choices=choices, usage=usage_info)
+    def chunk(self, choices, usage_info: UsageInfo | None = None) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=self.rid, created=self.created,
+                                            model=self.ctx.model_name, choices=choices, usage=usage_info)
 
-        def one(index, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None):
-            return chunk([ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                             finish_reason=finish, stop_reason=stop_reason)])
+    def one(self, index, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None):
+        return self.chunk([ChatCompletionResponseStreamChoice(
+            index=index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason)])
 
-        async def chunks():
-            # OpenAI's order per choice: the role, then content chunks (finish_reason null),
-            # then one chunk with an empty delta that carries the finish_reason.
-            started = set()
-            async for _, out in batch.merged():
-                usage.add(out)
-                for c in out.outputs:
-                    if c.index not in started:
-                        started.add(c.index)
-                        yield one(c.index, DeltaMessage(role=role, content=""))
-                        if echo:
-                            yield one(c.index, DeltaMessage(content=echo))
-                    lp = lp_block(c)
-                    shaper = tool_output(c.index)
-                    if shaper is None:
-                        deltas = [DeltaMessage(content=c.text)] if c.text else []
-                    else:
-                        deltas = shaper.deltas(c.text)
-                    if not deltas and lp is not None and lp.content:
-                        deltas = [DeltaMessage()]  # the logprobs of text held back
-                    for j, d in enumerate(deltas):
-                        yield one(c.index, d, lp if j == 0 else None)
-                    if c.finish_reason is not None:
-                        finish = c.finish_reason
-                        if shaper is not None:
-                            last, finish = shaper.end(finish)
-                            for d in last:
-                                yield one(c.index, d)
-                        yield one(c.index, DeltaMessage(), None, finish, c.stop_reason)
-            if req.stream_options and req.stream_options.include_usage:
-                yield chunk([], usage.info())
-        return SSEResponse(sse_events(batch, chunks()))
+    async def chunks(self):
+        """OpenAI's order per choice: the role, then content chunks (finish_reason null), then
+        one chunk with an empty delta that carries the finish_reason; usage last if asked."""
+        started = set()
+        async for _, out in self.batch.merged():
+            self.usage.add(out)
+            for c in out.outputs:
+                if c.index not in started:
+                    started.add(c.index)
+                    yield self.one(c.index, DeltaMessage(role=self.role, content=""))
+                    if self.echo:
+                        yield self.one(c.index, DeltaMessage(content=self.echo))
+                for chunk in self._choice_chunks(c):
+                    yield chunk
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield self.chunk([], self.usage.info())
 
-    async def collect():
+    def _choice_chunks(self, c) -> list[ChatCompletionStreamResponse]:
+        """The chunks of one step's output of choice c (content or tool-call deltas, and the
+        finish chunk when it ends)."""
+        out, lp, shaper = [], self.lp_block(c), self.tool_output(c.index)
+        if shaper is None:
+            deltas = [DeltaMessage(content=c.text)] if c.text else []
+        else:
+            deltas = shaper.deltas(c.text)
+        if not deltas and lp is not None and lp.content:
+            deltas = [DeltaMessage()]  # the logprobs of text held back
+        out += [self.one(c.index, d, lp if j == 0 else None) for j, d in enumerate(deltas)]
+        if c.finish_reason is not None:
+            finish = c.finish_reason
+            if shaper is not None:
+                last, finish = shaper.end(finish)
+                out += [self.one(c.index, d) for d in last]
+            out.append(self.one(c.index, DeltaMessage(), None, finish, c.stop_reason))
+        return out
+
+    async def collect(self) -> dict:
         choices: dict[int, ChatCompletionResponseChoice] = {}
-        async for _, out in batch.merged():
-            usage.add(out)
+        k, echo = self.k, self.echo
+        async for _, out in self.batch.merged():
+            self.usage.add(out)
             for c in out.outputs:
                 ch = choices.get(c.index)
                 if ch is None:
                     ch = choices[c.index] = ChatCompletionResponseChoice(
-                        index=c.index, message=ChatMessage(role=role, content=echo),
+                        index=c.index, message=ChatMessage(role=self.role, content=echo),
                         logprobs=None if k is None else ChatCompletionLogProbs(content=[]))
                 ch.message.content += c.text
                 if k is not None:
-                    ch.logprobs.content += lp_block(c).content
+                    ch.logprobs.content += self.lp_block(c).content
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         for i, ch in choices.items():
-            shaper = tool_output(i)
+            shaper = self.tool_output(i)
             if shaper is not None:  # the generated text (after the echo) holds the calls
                 content, ch.message.tool_calls, ch.finish_reason = shaper.message(
                     ch.message.content[len(echo):], ch.finish_reason)
                 ch.message.content = echo + content if content is not None else (echo or None)
-        return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, usage=usage.info(),
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.ctx.model_name,
+                                      usage=self.usage.info(),
                                       choices=[choices[i] for i in sorted(choices)]).model_dump()
-
-    return await collect_or_abort(raw, batch, collect())
