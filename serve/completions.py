@@ -81,6 +81,14 @@ def _logprobs_block(entries, token_ids, offset: _TextOffset, k: int | None, toke
 
 
 async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
+    run = _prepare(req, ctx)
+    if req.stream:
+        return SSEResponse(sse_events(run.batch, run.chunks()))
+    return await collect_or_abort(raw, run.batch, run.collect())
+
+
+def _prepare(req: CompletionRequest, ctx: ServerContext) -> "_CompletionRun":
+    """Check the request (APIError 4xx naming the field), tokenize and queue its prompts."""
     ctx.check_model(req.model)
     check_unsupported(req)
     if req.suffix:
@@ -96,64 +104,74 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
     except ValueError as e:
         raise bad_request(e) from e
     params.output_kind = OUTPUT_KIND
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    batch = RequestBatch(ctx.engine, rid)
+    batch = RequestBatch(ctx.engine, f"cmpl-{uuid.uuid4().hex}")
     try:
         batch.add(prompts, params)
     except APIError as e:
         raise relabel(e, field) from e
-    created, n = int(time.time()), req.n
-    tok = ctx.engine.get_tokenizer()
-    token_text = ctx.engine.engine.output_processor.token_text
-    prompt_text = [pr.prompt if pr.prompt is not None else tok.decode(pr.prompt_token_ids)
-                   for pr in batch.processed]
-    state = {"echoed": set(), "prompt_lp": {}, "offset": {}}
-    usage = UsageAccumulator()
+    return _CompletionRun(req, ctx, batch)
 
-    def choice(i, out, c) -> CompletionResponseChoice:
-        idx = i * n + c.index
-        first = idx not in state["echoed"]
-        state["echoed"].add(idx)
+
+class _CompletionRun:
+    """A queued completion request (its prompts x n choices): its stream of chunks, or its
+    collected response."""
+
+    def __init__(self, req: CompletionRequest, ctx: ServerContext, batch: RequestBatch):
+        self.req, self.ctx, self.batch = req, ctx, batch
+        self.rid, self.created, self.n = batch.base_id, int(time.time()), req.n
+        tok = ctx.engine.get_tokenizer()
+        self.token_text = ctx.engine.engine.output_processor.token_text
+        self.prompt_text = [pr.prompt if pr.prompt is not None else tok.decode(pr.prompt_token_ids)
+                            for pr in batch.processed]
+        self.echoed: set[int] = set()   # choice indexes whose first output was shaped
+        self.prompt_lp: dict = {}       # prompt index -> its prompt logprobs
+        self.offset: dict = {}          # choice index -> its _TextOffset
+        self.usage = UsageAccumulator()
+
+    def choice(self, i, out, c) -> CompletionResponseChoice:
+        """Choice c of prompt i's output, with the echoed prompt (and its logprobs) first."""
+        req = self.req
+        idx = i * self.n + c.index
+        first = idx not in self.echoed
+        self.echoed.add(idx)
         if out.prompt_logprobs is not None:
-            state["prompt_lp"][i] = out.prompt_logprobs
-        text, lp = (prompt_text[i] + c.text if req.echo and first else c.text), None
+            self.prompt_lp[i] = out.prompt_logprobs
+        text, lp = (self.prompt_text[i] + c.text if req.echo and first else c.text), None
         if req.logprobs is not None:
             ids, entries = list(c.token_ids), list(c.logprobs or [])
-            if req.echo and first and i in state["prompt_lp"]:
+            if req.echo and first and i in self.prompt_lp:
                 ids = list(out.prompt_token_ids) + ids
-                entries = list(state["prompt_lp"][i]) + entries
-            lp = _logprobs_block(entries, ids, state["offset"].setdefault(idx, _TextOffset()),
-                                 req.logprobs, token_text)
+                entries = list(self.prompt_lp[i]) + entries
+            lp = _logprobs_block(entries, ids, self.offset.setdefault(idx, _TextOffset()),
+                                 req.logprobs, self.token_text)
         return CompletionResponseChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
                                         stop_reason=c.stop_reason)
 
-    if req.stream:
-        def chunk(choices, usage_info: UsageInfo | None = None) -> CompletionStreamResponse:
-            return CompletionStreamResponse(id=rid, created=created, model=ctx.model_name,
-                                            choices=choices, usage=usage_info)
+    def chunk(self, choices, usage_info: UsageInfo | None = None) -> CompletionStreamResponse:
+        return CompletionStreamResponse(id=self.rid, created=self.created, model=self.ctx.model_name,
+                                        choices=choices, usage=usage_info)
 
-        async def chunks():
-            # OpenAI's order per choice: text chunks (finish_reason null), then one chunk
-            # with empty text that carries the finish_reason.
-            async for i, out in batch.merged():
-                usage.add(out)
-                for c in out.outputs:
-                    ch = choice(i, out, c)
-                    if ch.text or (ch.logprobs is not None and ch.logprobs.tokens):
-                        yield chunk([ch.model_copy(update={"finish_reason": None, "stop_reason": None})])
-                    if ch.finish_reason is not None:
-                        yield chunk([CompletionResponseChoice(
-                            index=ch.index, text="", finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)])
-            if req.stream_options and req.stream_options.include_usage:
-                yield chunk([], usage.info())
-        return SSEResponse(sse_events(batch, chunks()))
-
-    async def collect():
-        texts: dict[int, CompletionResponseChoice] = {}
-        async for i, out in batch.merged():
-            usage.add(out)
+    async def chunks(self):
+        """OpenAI's order per choice: text chunks (finish_reason null), then one chunk with
+        empty text that carries the finish_reason; usage last if asked."""
+        async for i, out in self.batch.merged():
+            self.usage.add(out)
             for c in out.outputs:
-                ch = choice(i, out, c)
+                ch = self.choice(i, out, c)
+                if ch.text or (ch.logprobs is not None and ch.logprobs.tokens):
+                    yield self.chunk([ch.model_copy(update={"finish_reason": None, "stop_reason": None})])
+                if ch.finish_reason is not None:
+                    yield self.chunk([CompletionResponseChoice(
+                        index=ch.index, text="", finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)])
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield self.chunk([], self.usage.info())
+
+    async def collect(self) -> dict:
+        texts: dict[int, CompletionResponseChoice] = {}
+        async for i, out in self.batch.merged():
+            self.usage.add(out)
+            for c in out.outputs:
+                ch = self.choice(i, out, c)
                 prev = texts.get(ch.index)
                 if prev is None:
                     texts[ch.index] = ch
@@ -163,7 +181,6 @@ async def create_completion(req: CompletionRequest, ctx: ServerContext, raw):
                 if ch.logprobs is not None:
                     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                         getattr(prev.logprobs, key).extend(getattr(ch.logprobs, key))
-        return CompletionResponse(id=rid, created=created, model=ctx.model_name, usage=usage.info(),
+        return CompletionResponse(id=self.rid, created=self.created, model=self.ctx.model_name,
+                                  usage=self.usage.info(),
                                   choices=[texts[k] for k in sorted(texts)]).model_dump()
-
-    return await collect_or_abort(raw, batch, collect())
