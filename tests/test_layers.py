@@ -53,45 +53,60 @@ def _runtime_nodes(tree: ast.AST):
             stack.extend(ast.iter_child_nodes(node))
 
 
-def imported_names(name: str, path: pathlib.Path, is_pkg: bool):
-    """Absolute dotted names a module may import at run time (relative imports resolved);
-    for `from a import b`, both `a` and `a.b` (b may be a submodule or an attribute)."""
+def imports(name: str, path: pathlib.Path, is_pkg: bool, top_level_only: bool = False):
+    """(module, names) for each import a module may run (relative imports resolved): `import
+    a.b` gives ("a.b", None), `from a import b, c` gives ("a", ["b", "c"]) (each b a submodule
+    or an attribute). top_level_only: the module's own body, not its functions' imports."""
     base = name.split(".") if is_pkg else name.split(".")[:-1]
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else _runtime_nodes(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
+            yield from ((a.name, None) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
             if node.level:
                 mod = ".".join(base[:len(base) - node.level + 1] + ([mod] if mod else []))
-            yield mod
-            yield from (f"{mod}.{a.name}" for a in node.names)
+            yield mod, [a.name for a in node.names]
 
 
 def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def import_graph(root: pathlib.Path = ROOT, packages=PACKAGES) -> tuple[dict, dict]:
-    """(graph, external): graph maps each module to the project modules it executes when its
-    imports run (the named module and the packages above it, not its own ancestors);
-    external maps it to the top-level names of other packages it imports."""
-    mods = list(modules(root, packages))
-    names = {n for n, _, _ in mods}
-    graph, external = {}, {}
-    for name, path, is_pkg in mods:
-        deps, ext = set(), set()
-        for imp in imported_names(name, path, is_pkg):
-            parts = imp.split(".")
+def _edges(name: str, found, names: set, packages) -> tuple[set, set]:
+    """(project modules, other packages' top-level names) that the imports `found` run: the
+    module named (or, for `from pkg import attr`, the package pkg itself, even the importer's
+    own: it may still be loading) and the packages run on the way down to it, except the
+    importer's own ancestors (already loading)."""
+    deps, ext = set(), set()
+    for mod, attrs in found:
+        targets = [mod] if attrs is None else [
+            f"{mod}.{a}" if f"{mod}.{a}" in names else mod for a in attrs]
+        for t in targets:
+            parts = t.split(".")
             if parts[0] not in packages:
                 ext.add(parts[0])
                 continue
-            for i in range(1, len(parts) + 1):  # the package chain down to the module named
-                target = ".".join(parts[:i])
-                if target in names and target != name and not _under(name, target):
-                    deps.add(target)
-        graph[name], external[name] = deps, ext
-    return graph, external
+            if t in names and t != name:
+                deps.add(t)
+            deps |= {p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                     if p in names and not _under(name, p)}
+    return deps, ext
+
+
+def import_graph(root: pathlib.Path = ROOT, packages=PACKAGES) -> dict:
+    """The project's import graph: {"all": module -> modules its imports run (function-level
+    ones included), "top": the same for its module-level imports only, "ext_all" / "ext_top":
+    module -> other packages' top-level names}."""
+    mods = list(modules(root, packages))
+    names = {n for n, _, _ in mods}
+    g = {"all": {}, "top": {}, "ext_all": {}, "ext_top": {}}
+    for name, path, is_pkg in mods:
+        g["all"][name], g["ext_all"][name] = _edges(name, imports(name, path, is_pkg), names, packages)
+        g["top"][name], g["ext_top"][name] = _edges(
+            name, imports(name, path, is_pkg, top_level_only=True), names, packages)
+    return g
 
 
 def find_cycle(graph: dict) -> list[str] | None:
@@ -128,11 +143,16 @@ def layer_order(doc: str) -> list[tuple[str, ...]]:
 
 
 def layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
-    """Index of the layer whose longest prefix matches `module`."""
+    """Index of the layer whose entry matches `module` best: the entry itself, or the longest
+    entry it lies under. An entry that another entry lies under (`jaxkv`, whose root modules
+    and subpackages are layers of their own) names only its own module, so a new root module
+    is in no layer until the order lists it."""
+    entries = [p for prefixes in layers for p in prefixes]
     best, best_len = None, -1
     for i, prefixes in enumerate(layers):
         for p in prefixes:
-            if _under(module, p) and len(p) > best_len:
+            exact_only = any(e != p and _under(e, p) for e in entries)
+            if (module == p or (not exact_only and _under(module, p))) and len(p) > best_len:
                 best, best_len = i, len(p)
     return best
 
@@ -151,24 +171,36 @@ def upward_imports(graph: dict, layers: list[tuple[str, ...]]) -> list[str]:
     return bad
 
 
-def reach(graph: dict, start: str) -> set[str]:
-    seen, todo = set(), [start]
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def reach(g: dict, start: str) -> tuple[set, set]:
+    """(modules, other packages' names) that importing `start` and calling into it can run:
+    every import of each module reached, and the module-level imports of the packages above
+    each one (importing a.b.c runs a/__init__.py and a/b/__init__.py)."""
+    seen, ext, todo = set(), set(), [(start, "all")]
     while todo:
-        for d in graph[todo.pop()] - seen:
-            seen.add(d)
-            todo.append(d)
-    return seen
+        module, kind = todo.pop()
+        if (module, kind) in seen or module not in g[kind]:
+            continue
+        seen.add((module, kind))
+        ext |= g["ext_" + kind][module]
+        todo += [(d, "all") for d in g[kind][module]]
+        todo += [(a, "top") for a in _ancestors(module)]
+    return {m for m, _ in seen}, ext
 
 
-def forbidden_reaches(graph: dict, external: dict, rules: dict) -> list[str]:
+def forbidden_reaches(g: dict, rules: dict) -> list[str]:
     bad = []
-    for name in sorted(graph):
+    for name in sorted(g["all"]):
         for prefix, banned in rules.items():
             if not _under(name, prefix):
                 continue
-            reached = {name} | reach(graph, name)
+            reached, ext = reach(g, name)
             hits = {m for m in reached for b in banned if _under(m, b)}
-            hits |= {f"{m} imports {e}" for m in reached for e in external[m] if e in banned}
+            hits |= {f"imports of {e}" for e in ext if e in banned}
             bad += [f"{name} reaches {h}" for h in sorted(hits)]
     return bad
 
@@ -178,52 +210,75 @@ def _doc_layers():
 
 
 def test_no_import_cycles_lazy_imports_included():
-    graph, _ = import_graph()
+    graph = import_graph()["all"]
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
 def test_every_import_goes_down_the_layer_order():
-    graph, _ = import_graph()
-    assert not upward_imports(graph, _doc_layers())
+    assert not upward_imports(import_graph()["all"], _doc_layers())
 
 
 def test_never_reaches_rules_hold_transitively():
-    graph, external = import_graph()
-    assert not forbidden_reaches(graph, external, NEVER_REACHES)
+    assert not forbidden_reaches(import_graph(), NEVER_REACHES)
+
+
+def test_the_layer_order_places_every_module():
+    graph = import_graph()["all"]
+    layers = _doc_layers()
+    assert len(layers) >= 10
+    assert [m for m in graph if layer_of(m, layers) is None] == []
+
+
+def _tree(tmp_path, files: dict) -> dict:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return import_graph(tmp_path, ("app",))
 
 
 def test_the_checks_catch_a_lazy_cycle_and_an_upward_root_import(tmp_path):
     """A made-up tree: a root module imported lazily by a lower package closes a circle, and
     a low layer reaches a high one only through a function-level import."""
-    files = {
+    g = _tree(tmp_path, {
         "app/__init__.py": "",
         "app/config.py": "from app.low import helper\n",
         "app/low/__init__.py": "",
         "app/low/helper.py": "def f():\n    from app import config\n",
         "app/low/typed.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                              "    from app import config\nimport jax\n"),
-    }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
-    graph, external = import_graph(tmp_path, ("app",))
+    })
+    graph = g["all"]
     assert graph["app.low.helper"] == {"app.config"}      # lazy import seen
     assert graph["app.low.typed"] == set()                 # TYPE_CHECKING import left out
     assert find_cycle(graph) in (["app.config", "app.low.helper", "app.config"],
                                  ["app.low.helper", "app.config", "app.low.helper"])
     layers = [("app", "app.config"), ("app.low",)]
     assert upward_imports(graph, layers) == ["app.low.helper (layer 2) -> app.config (layer 1)"]
-    assert forbidden_reaches(graph, external, {"app.low": ("jax",)}) == [
-        "app.low.typed reaches app.low.typed imports jax"]
-    assert forbidden_reaches(graph, external, {"app.config": ("app.low.helper",)}) == [
+    assert forbidden_reaches(g, {"app.low": ("jax",)}) == ["app.low.typed reaches imports of jax"]
+    assert forbidden_reaches(g, {"app.config": ("app.low.helper",)}) == [
         "app.config reaches app.low.helper"]
 
 
-def test_the_layer_order_places_every_module():
-    graph, _ = import_graph()
-    layers = _doc_layers()
-    assert len(layers) >= 10
-    assert [m for m in graph if layer_of(m, layers) is None] == []
+def test_the_checks_catch_what_package_inits_run(tmp_path):
+    """A cycle through a package's own __init__ (a submodule reading a name of the package that
+    imports it), a forbidden package reached only because an __init__ above imports it, and a
+    root module that the layer order does not list."""
+    g = _tree(tmp_path, {
+        "app/__init__.py": "from app import heavy\n",
+        "app/heavy.py": "",
+        "app/newmod.py": "",
+        "app/pkg/__init__.py": "from app.pkg.sub import f\ng = 1\n",
+        "app/pkg/sub.py": "from app.pkg import g\ndef f():\n    pass\n",
+        "app/core/__init__.py": "",
+        "app/core/sched.py": "",
+    })
+    assert find_cycle(g["all"]) in (["app.pkg", "app.pkg.sub", "app.pkg"],
+                                    ["app.pkg.sub", "app.pkg", "app.pkg.sub"])
+    assert forbidden_reaches(g, {"app.core": ("app.heavy",)}) == [
+        "app.core reaches app.heavy", "app.core.sched reaches app.heavy"]
+    layers = [("app", "app.pkg"), ("app.core", "app.heavy")]
+    assert layer_of("app.newmod", layers) is None and layer_of("app.pkg.sub", layers) == 0
+    assert "app.newmod: in no layer" in upward_imports(g["all"], layers)
 
 
 def test_host_bookkeeping_loads_no_jax():

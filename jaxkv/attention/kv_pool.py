@@ -43,6 +43,8 @@ from pallas_kernels.validation import view_as
 # One scale per token and KV head; the plan counts its 2 bytes (jaxkv/engine_config.py's
 # KV_SCALE_BYTES, held to this pool's arrays by tests/attention/test_kv_pool_bytes.py).
 SCALE_DTYPE = jnp.bfloat16
+# The pool dtypes quantized per token and KV head (the plan's KV_SCALE_BYTES names the same).
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 # Value types held as their bits (see the module docstring: XLA:CPU's scatter).
 _BITS = {"bfloat16": jnp.uint16, "float8_e4m3fn": jnp.uint8, "float8_e5m2": jnp.uint8}
 
@@ -73,8 +75,8 @@ def split_by_kv_head(pool: KVPool, axis: str):
 
 
 def is_quantized(dtype) -> bool:
-    """Whether a pool of this dtype stores scales: the one-byte dtypes (int8 and float8)."""
-    return jnp.dtype(dtype).itemsize == 1
+    """Whether a pool of this dtype stores scales (int8 and the two float8 formats)."""
+    return jnp.dtype(dtype).name in QUANTIZED_DTYPES
 
 
 def new_kv_pool(shape: tuple[int, int, int, int, int], dtype) -> KVPool:

@@ -64,6 +64,9 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._pending_outputs: list[RequestOutput] = []  # made by a step that then raised
+        if scheduler.structured_output_manager is None:
+            raise ValueError("LLMEngine needs a Scheduler built with a StructuredOutputManager "
+                             "(jaxkv.core.structured_output) of this tokenizer")
         self.structured_output_manager = scheduler.structured_output_manager
 
     @classmethod

@@ -140,6 +140,9 @@ def resolve_config(args, hf_config: dict):
     from jaxkv.runner import multiprocess
 
     platform = jax.default_backend()
+    if args.tensor_parallel_size > 1:  # the devices first: the backend's checks assume them
+        from jaxkv.models.sharding import check_device_count
+        check_device_count(args.tensor_parallel_size)
     config = args.create_engine_config(platform=platform,
                                        model_config=ModelConfig.from_hf_config(hf_config),
                                        device_memory_bytes=device_memory_bytes(platform),

@@ -21,14 +21,19 @@ from jaxkv.attention.kv_pool import split_by_kv_head
 AXIS = "tp"
 
 
-def make_mesh(n: int) -> Mesh:
-    """A mesh over the first n devices; ValueError naming both numbers when there are fewer."""
+def check_device_count(n: int) -> None:
+    """ValueError naming both numbers when there are fewer than n devices."""
     devices = jax.devices()
     if len(devices) < n:
         raise ValueError(f"tensor_parallel_size {n} needs {n} devices, found {len(devices)} "
                          f"{devices[0].platform} device(s) (on a CPU: "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n})")
-    return Mesh(np.asarray(devices[:n]), (AXIS,))
+
+
+def make_mesh(n: int) -> Mesh:
+    """A mesh over the first n devices; ValueError naming both numbers when there are fewer."""
+    check_device_count(n)
+    return Mesh(np.asarray(jax.devices()[:n]), (AXIS,))
 
 
 def kv_heads_split(cfg, mesh: Mesh | None) -> bool:

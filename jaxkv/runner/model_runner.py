@@ -101,6 +101,8 @@ class ModelRunner(RunnerSampling):
         # before running it (jaxkv.runner.multiprocess.Leader); None in one process.
         self.leader = None
         # The host and disk tiers' copies (jaxkv.runner.kv_offload.KVOffload) when they are on.
+        if (kv_disk_dir is None) != (cc.kv_cache_disk_dir is None):
+            raise ValueError("kv_disk_dir must be given exactly when the config has a disk tier")
         self.offload = (KVOffload(self.kv_cache, cc.num_host_blocks, kv_disk_dir)
                         if cc.num_host_blocks else None)
         self.compiles = CompileCounter()  # every program this runner's calls compile

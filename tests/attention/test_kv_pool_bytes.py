@@ -5,7 +5,7 @@ own constants (the config layer imports no JAX), and this test holds them togeth
 import jax.numpy as jnp
 import pytest
 
-from jaxkv.attention.kv_pool import SCALE_DTYPE, is_quantized, new_kv_pool
+from jaxkv.attention.kv_pool import QUANTIZED_DTYPES, SCALE_DTYPE, is_quantized, new_kv_pool
 from jaxkv.core.kv_budget import bytes_per_token
 from jaxkv.engine_config import DTYPE_BYTES, KV_SCALE_BYTES
 
@@ -24,3 +24,9 @@ def test_plan_counts_the_pool_arrays(dtype):
 
 def test_scale_bytes_are_the_scale_dtype():
     assert set(KV_SCALE_BYTES.values()) == {jnp.dtype(SCALE_DTYPE).itemsize}
+    assert set(KV_SCALE_BYTES) == set(QUANTIZED_DTYPES)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "bool", "float8_e4m3fnuz", "float16"])
+def test_other_narrow_dtypes_are_not_quantized(dtype):
+    assert not is_quantized(dtype)
