@@ -102,28 +102,7 @@ class Scheduler:
         preempted: list[str] = []
         now = time.monotonic()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_computed_tokens >= req.num_tokens:
-                # Credited but never given its token (a step interrupted after it ran):
-                # compute the last position again so the request samples and goes on.
-                req.num_computed_tokens = req.num_tokens - 1
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    n = 0
-                    break
-            if n == 0:
-                break
-            self._step_journal.append((req, True, None, False))
-            chosen.append((req, n))
-            budget -= n
-            i += 1
-
+        budget = self._schedule_running(chosen, budget, preempted)
         if admit_waiting or not self.running:
             budget = self._schedule_waiting(chosen, budget, preempted, now)
         if not chosen and not self.running and self.waiting:
@@ -150,6 +129,33 @@ class Scheduler:
         self._fill_grammar_bitmasks(chosen, scheduled)
         return SchedulerOutput(scheduled, preempted, self.kv.transfers, self.num_waiting,
                                self.max_num_seqs - len(self.running))
+
+    def _schedule_running(self, chosen: list, budget: int, preempted: list[str]) -> int:
+        """The running requests in order, each with as many tokens as the budget leaves,
+        preempting from the back of the queue when the pool has no slots; returns the budget
+        left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.num_computed_tokens >= req.num_tokens:
+                # Credited but never given its token (a step interrupted after it ran):
+                # compute the last position again so the request samples and goes on.
+                req.num_computed_tokens = req.num_tokens - 1
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    n = 0
+                    break
+            if n == 0:
+                break
+            self._step_journal.append((req, True, None, False))
+            chosen.append((req, n))
+            budget -= n
+            i += 1
+        return budget
 
     def _fill_grammar_bitmasks(self, chosen, scheduled) -> None:
         """Each constrained sequence that samples this step gets its allowed-token row."""

@@ -199,26 +199,7 @@ class AsyncLLM:
                         self._cond.wait(self._log.interval_s if self._log is not None else 5.0)
                     cmds = list(self._inbox)
                     self._inbox.clear()
-                outputs = []
-                for cmd in cmds:
-                    if cmd[0] == "stop":
-                        raise EngineDeadError("the engine was shut down")
-                    if cmd[0] == "snapshot":
-                        cmd[1]["snapshot"] = kv_cache_snapshot(engine)
-                        cmd[2].set()
-                        continue
-                    if cmd[0] == "add":
-                        _, rid, processed = cmd
-                        try:
-                            engine.add_processed(processed)
-                        except ValueError as e:  # that request alone fails; the engine goes on
-                            self._finish_stream(rid, e)
-                    else:
-                        outputs += engine.abort_request(cmd[1])
-                        for rid in cmd[1]:
-                            s = self._streams.get(rid)
-                            if s is not None and not any(o.request_id == rid for o in outputs):
-                                self._finish_stream(rid, None)
+                outputs = self._apply(cmds)
                 if engine.has_unfinished_requests():
                     outputs += engine.step()
                 self._stats = engine.stats()
@@ -246,6 +227,31 @@ class AsyncLLM:
                 self._stats = engine.stats()
             except Exception:  # noqa: BLE001 - best effort after a failure
                 logger.exception("could not abort the requests of a dead engine")
+
+    def _apply(self, cmds) -> list[RequestOutput]:
+        """Run the inbox's commands on the engine thread, in order; returns the outputs of the
+        aborted requests. EngineDeadError on "stop"."""
+        engine, outputs = self.engine, []
+        for cmd in cmds:
+            if cmd[0] == "stop":
+                raise EngineDeadError("the engine was shut down")
+            if cmd[0] == "snapshot":
+                cmd[1]["snapshot"] = kv_cache_snapshot(engine)
+                cmd[2].set()
+                continue
+            if cmd[0] == "add":
+                _, rid, processed = cmd
+                try:
+                    engine.add_processed(processed)
+                except ValueError as e:  # that request alone fails; the engine goes on
+                    self._finish_stream(rid, e)
+            else:
+                outputs += engine.abort_request(cmd[1])
+                for rid in cmd[1]:
+                    s = self._streams.get(rid)
+                    if s is not None and not any(o.request_id == rid for o in outputs):
+                        self._finish_stream(rid, None)
+        return outputs
 
     def _finish_stream(self, rid: str, err) -> None:
         s = self._streams.pop(rid, None)

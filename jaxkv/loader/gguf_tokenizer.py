@@ -66,6 +66,34 @@ def _metadata(reader_or_path) -> dict:
     return read_gguf_metadata(reader_or_path, strings=_STRING_KEYS)[0]
 
 
+def _bpe_backend(tokens: list[str], spelled: list[str], merges: list, token_types: list[int],
+                 pre: str | None, alphabet: set[str]) -> Tokenizer:
+    """The byte-level BPE `tokenizers.Tokenizer` of a GGUF vocabulary: its pre-tokenizer split
+    (`tokenizer.ggml.pre`), control tokens as special tokens and user-defined ones added."""
+    vocab = {t: i for i, t in enumerate(spelled)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                   end_of_word_suffix="", fuse_unk=False))
+    split = _PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel: skip it, as transformers does.
+    backend.add_special_tokens([
+        AddedToken(t, normalized=False, special=True)
+        for t, kind_ in zip(tokens, token_types) if kind_ == _CONTROL and set(t) <= alphabet
+    ])
+    backend.add_tokens([
+        AddedToken(t, normalized=False, special=False)
+        for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED and t in vocab
+    ])
+    return backend
+
+
 def tokenizer_from_gguf(reader_or_path):
     """A `transformers.PreTrainedTokenizerFast` built from a GGUF file's tokenizer metadata.
 
@@ -95,27 +123,7 @@ def tokenizer_from_gguf(reader_or_path):
     spelling = byte_level_alphabet()
     alphabet = set(spelling.values())
     spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                   end_of_word_suffix="", fuse_unk=False))
-    split = _PRE_TOKENIZER_SPLITS.get(field("tokenizer.ggml.pre"))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    backend.decoder = decoders.ByteLevel()
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel: skip it, as transformers does.
-    backend.add_special_tokens([
-        AddedToken(t, normalized=False, special=True)
-        for t, kind_ in zip(tokens, token_types) if kind_ == _CONTROL and set(t) <= alphabet
-    ])
-    backend.add_tokens([
-        AddedToken(t, normalized=False, special=False)
-        for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED and t in vocab
-    ])
+    backend = _bpe_backend(tokens, spelled, merges, token_types, field("tokenizer.ggml.pre"), alphabet)
 
     def token(key):
         index = field(f"tokenizer.ggml.{key}")

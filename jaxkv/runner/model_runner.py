@@ -72,17 +72,7 @@ class ModelRunner(RunnerSampling):
         self.num_fused_greedy_steps = 0  # steps dispatched that way (run-ahead ones included)
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
         self.num_blocks = cc.num_blocks
-        # Tensor parallelism (jaxkv/models/sharding.py): a mesh, the params placed on it; None
-        # on one device.
-        self.mesh = sh.make_mesh(rc.tensor_parallel_size) if rc.tensor_parallel_size > 1 else None
-        if self.mesh is not None:
-            if jax.process_count() > 1:  # across processes JAX places host arrays only (each
-                params = jax.device_get(params)  # process keeps its own devices' slices)
-            params = self.params = jax.device_put(params, sh.param_shardings(params, model.cfg, self.mesh))
-        self.kv_cache = self._new_kv_cache()
-        self.kv_spec = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if self.mesh else None),
-            self.kv_cache)
+        self._place(params, rc.tensor_parallel_size)
         self.enforce_eager = enforce_eager = rc.enforce_eager
         self.mark_decode_only = model.attention.uses_decode_only
         self.warmup_token_buckets = rc.warmup_token_buckets
@@ -106,6 +96,30 @@ class ModelRunner(RunnerSampling):
         self.offload = (KVOffload(self.kv_cache, cc.num_host_blocks, kv_disk_dir)
                         if cc.num_host_blocks else None)
         self.compiles = CompileCounter()  # every program this runner's calls compile
+        self._make_programs(self.params, enforce_eager)
+        # Async scheduling (jaxkv/runner/lookahead.py; the config turns it off with a mesh,
+        # several processes or speculative decoding). The step dispatched ahead, and how many
+        # were (used: some sequence took its result).
+        self.async_scheduling = rc.async_scheduling
+        self._ahead: la.Ahead | None = None
+        self.num_ahead_dispatched = self.num_ahead_used = self.num_ahead_discarded = 0
+
+    def _place(self, params, tensor_parallel_size: int) -> None:
+        """Tensor parallelism (jaxkv/models/sharding.py): a mesh and the params placed on it
+        (None and the params as given on one device); then the KV pool and its spec."""
+        self.mesh = sh.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        if self.mesh is not None:
+            if jax.process_count() > 1:  # across processes JAX places host arrays only (each
+                params = jax.device_get(params)  # process keeps its own devices' slices)
+            params = jax.device_put(params, sh.param_shardings(params, self.model.cfg, self.mesh))
+        self.params = params
+        self.kv_cache = self._new_kv_cache()
+        self.kv_spec = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if self.mesh else None),
+            self.kv_cache)
+
+    def _make_programs(self, params, enforce_eager: bool) -> None:
+        """The jitted step and the sampler's programs (plain functions with enforce_eager)."""
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated;
         # with a mesh, its inputs and outputs placed as sharding.py says (XLA partitions it).
@@ -128,12 +142,6 @@ class ModelRunner(RunnerSampling):
         self._gather_rows = jit(lambda hidden, idx: hidden[idx], **out)
         self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"), **out)
         self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",), **out)
-        # Async scheduling (jaxkv/runner/lookahead.py; the config turns it off with a mesh,
-        # several processes or speculative decoding). The step dispatched ahead, and how many
-        # were (used: some sequence took its result).
-        self.async_scheduling = rc.async_scheduling
-        self._ahead: la.Ahead | None = None
-        self.num_ahead_dispatched = self.num_ahead_used = self.num_ahead_discarded = 0
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
