@@ -24,38 +24,71 @@ def served_model_name(model: str | None, override: str | None) -> str:
 
 
 def run_server(ns) -> int:
+    """`jaxkv serve`: check the flags, join a multi-process job, start the HTTP server and, on
+    a thread, the engine (/health answers 200 once it is ready). Returns the exit status: 1
+    when the engine failed to start or died."""
     import uvicorn
 
-    from jaxkv.chat_utils import load_chat_template
-    from jaxkv.engine_args import EngineArgs
-    from jaxkv.engine.async_llm import AsyncLLM
-    from jaxkv.logger import setup_logging
     from jaxkv.loader.source import read_config
+    from jaxkv.logger import setup_logging
     from jaxkv.models.model_config import ModelConfig
     from serve.app import build_app
-    from serve.context import ServerContext
     from serve.metrics import PrometheusStatLogger, cache_config_info, check_metrics_prefix
-    from serve.tool_parsers import TOOL_CALL_PARSERS
+
+    args = _engine_args(ns)
+    check_metrics_prefix(ns.metrics_prefix)
+    hf_config = read_config(args.model)  # a missing or unreadable model fails here, in one line
+    setup_logging()
+    from prometheus_client import disable_created_metrics
+    disable_created_metrics()  # as vLLM: no *_created series
+    _join_job(args)
+    ctx = _server_context(ns, args)
+    max_model_len = args.max_model_len or ModelConfig.from_hf_config(hf_config).max_position_embeddings
+    metrics = PrometheusStatLogger(lambda: ctx.engine.stats() if ctx.engine is not None else None,
+                                   ctx.model_name, max_model_len, prefix=ns.metrics_prefix,
+                                   cache_info=cache_config_info(args))
+    config = uvicorn.Config(build_app(ctx, metrics), host=ns.host, port=ns.port, log_level="info",
+                            timeout_graceful_shutdown=5, access_log=not ns.disable_uvicorn_access_log)
+    server = uvicorn.Server(config)
+    status = {"code": 0}
+    threading.Thread(target=_start_engine, args=(ns, args, ctx, metrics, server, status),
+                     name="jaxkv-startup", daemon=True).start()
+    server.run()
+    if ctx.engine is not None:
+        ctx.engine.shutdown()
+    return status["code"]
+
+
+def _engine_args(ns):
+    """EngineArgs from the flags; ValueError in one line for a bad flag."""
+    from jaxkv.engine_args import EngineArgs
 
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"two models given: {ns.model_tag!r} (positional) and --model {ns.model!r}")
     ns.model = ns.model_tag if ns.model_tag is not None else ns.model
     if ns.port is not None and not 0 <= ns.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-    args = EngineArgs.from_cli_args(ns)  # validates every engine flag
-    check_metrics_prefix(ns.metrics_prefix)
-    hf_config = read_config(args.model)  # a missing or unreadable model fails here, in one line
-    setup_logging()
-    from prometheus_client import disable_created_metrics
-    disable_created_metrics()  # as vLLM: no *_created series
+    return EngineArgs.from_cli_args(ns)  # validates every engine flag
 
+
+def _join_job(args) -> None:
+    """A multi-process engine: join the job first; only process 0 serves HTTP (the others run
+    its steps and exit when it stops)."""
     from jaxkv.runner import multiprocess
-    if multiprocess.wanted(args):  # join the job first: only process 0 serves HTTP
+    if multiprocess.wanted(args):
         import jax
         multiprocess.initialize(args)
-        if jax.process_index() > 0:  # runs process 0's steps, exits when it stops
+        if jax.process_index() > 0:
             from jaxkv.engine.llm_engine import LLMEngine
             LLMEngine.from_engine_args(args)
+
+
+def _server_context(ns, args):
+    """The routes' shared state; ValueError in one line for a bad chat template path, tool
+    flags or tokenizer path."""
+    from jaxkv.chat_utils import load_chat_template
+    from serve.context import ServerContext
+    from serve.tool_parsers import TOOL_CALL_PARSERS
 
     chat_template = load_chat_template(ns.chat_template)  # a bad path fails here, in one line
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
@@ -63,44 +96,33 @@ def run_server(ns) -> int:
                          f"{', '.join(TOOL_CALL_PARSERS)})")
     if args.tokenizer is not None and not os.path.exists(args.tokenizer):
         raise ValueError(f"tokenizer {args.tokenizer!r} not found (a tokenizer folder or a .gguf file)")
-    ctx = ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
-                        chat_template=chat_template, enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                        tool_call_parser=ns.tool_call_parser,
-                        model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
-                        created=int(time.time()))
-    max_model_len = args.max_model_len or ModelConfig.from_hf_config(hf_config).max_position_embeddings
-    metrics = PrometheusStatLogger(lambda: ctx.engine.stats() if ctx.engine is not None else None,
-                                   ctx.model_name, max_model_len, prefix=ns.metrics_prefix,
-                                   cache_info=cache_config_info(args))
-    app = build_app(ctx, metrics)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info",
-                            timeout_graceful_shutdown=5, access_log=not ns.disable_uvicorn_access_log)
-    server = uvicorn.Server(config)
-    status = {"code": 0}
+    return ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
+                         chat_template=chat_template, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                         tool_call_parser=ns.tool_call_parser,
+                         model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
+                         created=int(time.time()))
 
-    def start_engine():
-        try:
-            ctx.engine = AsyncLLM.from_engine_args(args, log_stats=not ns.disable_log_stats,
-                                                   stat_loggers=[metrics])
-            logger.info("serving %s at http://%s:%d/v1 (ready)", ctx.model_name, ns.host, ns.port)
-        except Exception as e:  # noqa: BLE001 - reported, then the server stops
-            ctx.start_error = f"{type(e).__name__}: {e}"
-            logger.error("the engine failed to start: %s", ctx.start_error)
+
+def _start_engine(ns, args, ctx, metrics, server, status: dict) -> None:
+    """The engine's start on its own thread; then, as vLLM, a dead engine stops the server
+    with status 1, so a supervisor can restart it."""
+    from jaxkv.engine.async_llm import AsyncLLM
+    try:
+        ctx.engine = AsyncLLM.from_engine_args(args, log_stats=not ns.disable_log_stats,
+                                               stat_loggers=[metrics])
+        logger.info("serving %s at http://%s:%d/v1 (ready)", ctx.model_name, ns.host, ns.port)
+    except Exception as e:  # noqa: BLE001 - reported, then the server stops
+        ctx.start_error = f"{type(e).__name__}: {e}"
+        logger.error("the engine failed to start: %s", ctx.start_error)
+        status["code"] = 1
+        server.should_exit = True
+        return
+    while not server.should_exit:
+        if ctx.engine.dead is not None:
+            logger.error("the engine stopped (%r); shutting the server down", ctx.engine.dead)
             status["code"] = 1
             server.should_exit = True
-            return
-        while not server.should_exit:  # as vLLM: a dead engine stops the server (status 1),
-            if ctx.engine.dead is not None:  # so a supervisor can restart it
-                logger.error("the engine stopped (%r); shutting the server down", ctx.engine.dead)
-                status["code"] = 1
-                server.should_exit = True
-            time.sleep(0.5)
-
-    threading.Thread(target=start_engine, name="jaxkv-startup", daemon=True).start()
-    server.run()
-    if ctx.engine is not None:
-        ctx.engine.shutdown()
-    return status["code"]
+        time.sleep(0.5)
 
 
 def add_serve_parser(sub) -> None:

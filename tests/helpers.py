@@ -27,3 +27,16 @@ def assert_same_or_near_tie(got: list[int], ref: list[int], ref_margins: list[fl
             return i
     assert len(got) == len(ref), f"{what}: lengths differ ({len(got)} vs {len(ref)}) with equal prefixes"
     return None
+
+
+def write_tiny_model(path, config: dict) -> str:
+    """A model folder for load_format="dummy" at `path` (a pathlib.Path): `config` as its
+    config.json, and the embedded model's tokenizer files. Returns the folder as a str."""
+    import json
+
+    from jaxkv.loader.gguf import embedded_model_path
+    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
+    return str(path)

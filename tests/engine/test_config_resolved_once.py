@@ -6,8 +6,6 @@ scheduler's config equal a fresh `create_engine_config` of the same arguments on
 tests/runner/tp_check.py and multiprocess_check.py; their resolution goes through the same
 `build_engine` lines.)"""
 
-import json
-
 import jax
 import pytest
 
@@ -16,6 +14,7 @@ from jaxkv.engine import LLMEngine
 from jaxkv.engine_args import EngineArgs
 from jaxkv.loader.source import load_checkpoint
 from jaxkv.models.model_config import ModelConfig
+from tests.helpers import write_tiny_model
 
 TINY_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
                    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -28,13 +27,7 @@ BASE = dict(load_format="dummy", max_model_len=128, max_num_batched_tokens=32, m
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A config.json and tokenizer files: a 2-layer Llama for load_format="dummy"."""
-    from jaxkv.loader.gguf import embedded_model_path
-    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
-
-    path = tmp_path_factory.mktemp("tiny")
-    (path / "config.json").write_text(json.dumps(TINY_CONFIG))
-    tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
-    return str(path)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), TINY_CONFIG)
 
 
 KINDS = {

@@ -6,7 +6,6 @@ The background-compile tests use a tiny random model (2 layers, load_format="dum
 programs compile in a fraction of a second."""
 
 import gc
-import json
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.runner.model_runner import ModelRunner
+from tests.helpers import write_tiny_model
 
 TINY_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,
                    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -91,13 +91,7 @@ def _workload(llm):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A config.json and tokenizer files: a 2-layer Llama for load_format="dummy"."""
-    from jaxkv.loader.gguf import embedded_model_path
-    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
-
-    path = tmp_path_factory.mktemp("tiny")
-    (path / "config.json").write_text(json.dumps(TINY_CONFIG))
-    tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
-    return str(path)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), TINY_CONFIG)
 
 
 @pytest.fixture(scope="module")
