@@ -39,6 +39,21 @@ from jaxkv.runner.input_builder import build_step_input
 logger = logging.getLogger("jaxkv")
 
 
+@dataclasses.dataclass
+class Programs:
+    """A ModelRunner's compiled programs, held by the runner and filled by it and by
+    `compile_bucket` (warmup, the background compiler).
+
+    step: the AOT step executable per (token bucket, decode_only); sampler_rows: the row counts
+    whose sampler programs are all compiled; gather_rows, sample, prompt_logprobs: the jitted
+    functions (plain ones with enforce_eager) whose caches hold the gather and sampler programs."""
+    gather_rows: object
+    sample: object
+    prompt_logprobs: object
+    step: dict = dataclasses.field(default_factory=dict)
+    sampler_rows: set = dataclasses.field(default_factory=set)
+
+
 def abstract(tree, sharded: bool = False):
     """The shapes and dtypes of a pytree of arrays, as jax.ShapeDtypeStruct; with `sharded`
     (tensor parallelism) their shardings too, so that the programs take the arrays as placed."""
@@ -47,10 +62,10 @@ def abstract(tree, sharded: bool = False):
 
 
 def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
-    """Compile every program of token bucket `t` into `runner` (a ModelRunner; this module
-    is its helper and fills its private tables): the step executables into its table, the
-    gather and sampler programs into their jitted functions' caches, where the step's calls
-    find them. Programs already there are skipped. Returns False, with the bucket incomplete,
+    """Compile every program of token bucket `t` into `runner.programs` (a ModelRunner's
+    `Programs`): the step executables into its table, the gather and sampler programs into
+    their jitted functions' caches, where the step's calls find them. Programs already there
+    are skipped. Returns False, with the bucket incomplete,
     if `stopped()` turned true before one of its programs."""
     r = num_rows(t, runner.max_num_seqs)
     empty = SchedulerOutput([])
@@ -58,26 +73,27 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
                           max_blocks=runner.max_blocks, rope_table=runner.rope_table)
     tp = getattr(runner, "mesh", None) is not None
     params = abstract(runner.params, tp)
+    programs = runner.programs
     for decode_only in ((False, True) if t <= runner.decode_max else (False,)):
-        if (t, decode_only) not in runner._step_exe:
+        if (t, decode_only) not in programs.step:
             if stopped():
                 return False
-            runner._step_exe[(t, decode_only)] = runner.jitted_step.lower(
+            programs.step[(t, decode_only)] = runner.jitted_step.lower(
                 params, runner.kv_spec, dataclasses.replace(si, decode_only=decode_only)).compile()
-    hidden = abstract(runner._step_exe[(t, False)].out_info[0], tp)  # [t, hidden_size]
+    hidden = abstract(programs.step[(t, False)].out_info[0], tp)  # [t, hidden_size]
     for rs in runner.sample_row_counts(t):
-        gather = runner._gather_rows.lower(hidden, np.zeros(rs, np.int32))
+        gather = programs.gather_rows.lower(hidden, np.zeros(rs, np.int32))
         rows_out = gather.compile().out_info  # placed as the step will hand it (the mesh's, with TP)
-        if rs not in runner._sampler_rows:
+        if rs not in programs.sampler_rows:
             s_arr = sampling_arrays([], rs)
             mask = np.zeros((rs, -(-runner.vocab_size // 32)), np.int32)
             for mode in smp.MODES:
                 for bitmask in (None, mask):  # free rows; structured outputs' masked rows
                     if stopped():
                         return False
-                    runner._sample.lower(params, abstract(rows_out, tp), s_arr, None, bitmask,
-                                         mode=mode, num_logprobs=0).compile()
-            runner._sampler_rows.add(rs)
+                    programs.sample.lower(params, abstract(rows_out, tp), s_arr, None, bitmask,
+                                          mode=mode, num_logprobs=0).compile()
+            programs.sampler_rows.add(rs)
     return True
 
 

@@ -35,7 +35,7 @@ from jaxkv.runner import sampling_rows as rows
 from jaxkv.models import sharding as sh
 from jaxkv.runner.buckets import num_rows, pick_bucket
 from jaxkv.runner.compile_counter import CompileCounter
-from jaxkv.runner.compiler import BackgroundCompiler, compile_bucket
+from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_bucket
 from jaxkv.runner.input_builder import build_step_input, rope_tables
 from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.runner_sampling import RunnerSampling
@@ -132,16 +132,15 @@ class ModelRunner(RunnerSampling):
                                        out_shardings=(rep, pool_sh))
         else:
             self.jitted_step = jit(self.step_fn, donate_argnums=(1,))
-        self._step_exe: dict[tuple[int, bool], object] = {}  # (bucket, decode_only) -> AOT step
-        self._sampler_rows: set[int] = set()  # row counts whose sampler programs are compiled
         # The sampled rows are gathered by a small program of their own, so the sampler's
         # programs depend on the row count only (token buckets 64 and 512 share them).
         # With a mesh their outputs are replicated: every process reads the sampled tokens
         # from its own devices (a multi-process mesh has devices no process can read all of).
         out = {} if self.mesh is None or enforce_eager else {"out_shardings": sh.replicated(self.mesh)}
-        self._gather_rows = jit(lambda hidden, idx: hidden[idx], **out)
-        self._sample = jit(self._sample_rows, static_argnames=("mode", "num_logprobs"), **out)
-        self._prompt_lp = jit(self._prompt_logprobs, static_argnames=("num_logprobs",), **out)
+        self.programs = Programs(
+            gather_rows=jit(lambda hidden, idx: hidden[idx], **out),
+            sample=jit(self._sample_rows, static_argnames=("mode", "num_logprobs"), **out),
+            prompt_logprobs=jit(self._prompt_logprobs, static_argnames=("num_logprobs",), **out))
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
@@ -199,9 +198,9 @@ class ModelRunner(RunnerSampling):
         if self.enforce_eager:
             return self.jitted_step(params, kv_cache, step)
         key = (step.num_tokens, step.decode_only)
-        exe = self._step_exe.get(key)
+        exe = self.programs.step.get(key)
         if exe is None:
-            exe = self._step_exe[key] = self.jitted_step.lower(params, kv_cache, step).compile()
+            exe = self.programs.step[key] = self.jitted_step.lower(params, kv_cache, step).compile()
         return exe(params, kv_cache, step)
 
     def _new_kv_cache(self):

@@ -2,7 +2,8 @@
 their own (jaxkv/runner/sampler.py), dispatched after the step and read back to the host.
 
 A mixin of ModelRunner (jaxkv/runner/model_runner.py), which holds the state these use: the
-params, the jitted `_sample`, `_gather_rows` and `_prompt_lp`, `_logits`, and the sizes
+params, `programs` (jaxkv/runner/compiler.py's Programs: the jitted gather, sample and prompt
+logprobs functions), `_logits`, and the sizes
 (max_num_seqs, num_speculative_tokens, vocab_size, max_model_len, max_logprobs).
 """
 
@@ -51,8 +52,8 @@ class RunnerSampling:
         s_arr = rows.sampling_arrays(spans, r)
         pen = (rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len)
                if any(rows.needs_penalties(x.sched) for x in spans) else None)
-        h = self._gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
-        return self._sample(self.params, h, s_arr, pen, rows.grammar_bitmask(spans, r, self.vocab_size),
+        h = self.programs.gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
+        return self.programs.sample(self.params, h, s_arr, pen, rows.grammar_bitmask(spans, r, self.vocab_size),
                             mode=mode, num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
 
     def _collect_sample(self, res, sampled, spans):
@@ -76,7 +77,7 @@ class RunnerSampling:
         for i, s in enumerate(out.scheduled):
             n = len(s.prompt_logprob_targets)
             targets[qsl[i]:qsl[i] + n] = s.prompt_logprob_targets
-        o = jax.device_get(self._prompt_lp(self.params, hidden, targets,
+        o = jax.device_get(self.programs.prompt_logprobs(self.params, hidden, targets,
                                            num_logprobs=max(1, self.max_logprobs)))
         for i, s in enumerate(out.scheduled):
             n, k = len(s.prompt_logprob_targets), s.sampling_params.prompt_logprobs
