@@ -63,7 +63,7 @@ def test_ctrl_c_in_generate(llm, llm_no_prefix_cache, monkeypatch):
 def test_failure_in_the_sampler_program(llm, llm_no_prefix_cache, monkeypatch):
     # The model step ran (K/V written) but sampling raised: still nothing is trusted.
     prompt = _unique_prompt(3, 50)
-    _fail_once(monkeypatch, llm.llm_engine.runner, "_sample")
+    _fail_once(monkeypatch, llm.llm_engine.runner.programs, "sample")
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     monkeypatch.undo()
