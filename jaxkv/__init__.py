@@ -4,7 +4,7 @@
 """
 
 from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.sampling.params import RequestOutputKind, SamplingParams
 from jaxkv.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"

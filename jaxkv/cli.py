@@ -29,7 +29,7 @@ def cmd_generate(ns) -> int:
     import time
 
     from jaxkv.llm import LLM
-    from jaxkv.sampling_params import SamplingParams
+    from jaxkv.sampling.params import SamplingParams
 
     # Unseeded requests draw their seed from the engine's --seed, so runs are reproducible.
     sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)

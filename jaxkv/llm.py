@@ -10,7 +10,7 @@ from jaxkv.engine_args import EngineArgs
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.logger import setup_logging
 from jaxkv.outputs import RequestOutput
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxkv")
 

@@ -6,7 +6,7 @@ read its fields. `decode_only` is static (a pytree meta field): a step whose eve
 exactly one query token compiles its own program per token bucket, so the attention backend
 can pick its decode kernel at trace time. `fuse_greedy` is data: the runner sets it when the
 step's sampled rows are all plain greedy and its program takes their argmax itself
-(jaxkv/runner/fused_greedy.py).
+(jaxkv/sampling/fused_greedy.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxkv.sampling_params import RequestOutputKind
+from jaxkv.sampling.params import RequestOutputKind
 from serve.errors import APIError
 
 # The routes always ask for DELTA outputs (non-streaming ones join them), so every step

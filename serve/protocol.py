@@ -14,7 +14,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 from jaxkv.structured_outputs import StructuredOutputsParams
 
 MAX_N = 16

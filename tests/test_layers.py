@@ -166,8 +166,12 @@ def upward_imports(graph: dict, layers: list[tuple[str, ...]]) -> list[str]:
         if i is None:
             bad.append(f"{name}: in no layer")
             continue
-        bad += [f"{name} (layer {i + 1}) -> {d} (layer {layer_of(d, layers) + 1})"
-                for d in sorted(graph[name]) if (layer_of(d, layers) or 0) < i]
+        for d in sorted(graph[name]):
+            j = layer_of(d, layers)
+            if j is None:
+                bad.append(f"{name} (layer {i + 1}) -> {d} (in no layer)")
+            elif j < i:
+                bad.append(f"{name} (layer {i + 1}) -> {d} (layer {j + 1})")
     return bad
 
 

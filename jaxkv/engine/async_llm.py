@@ -22,7 +22,7 @@ from jaxkv.engine.kv_snapshot import kv_cache_snapshot
 from jaxkv.engine.llm_engine import child_request_id
 from jaxkv.engine.stat_logger import LoggingStatLogger
 from jaxkv.outputs import RequestOutput
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 logger = logging.getLogger("jaxkv")
 

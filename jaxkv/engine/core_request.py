@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 
 @dataclass

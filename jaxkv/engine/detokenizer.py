@@ -27,7 +27,7 @@ from typing import Any
 from jaxkv.engine.incremental_decoders import (REPLACEMENT_CHAR, StreamDecoder, WindowDecoder,
                                                ids_to_tokens, rust_backend)
 from jaxkv.loader.gguf_tokenizer import byte_level_alphabet
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens kept as decoding context.
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5

@@ -16,7 +16,7 @@ from jaxkv.core.disk_tier import CorruptBlockError
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.engine.stats import EngineStats
 from jaxkv.outputs import RequestOutput
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 logger = logging.getLogger("jaxkv")
 

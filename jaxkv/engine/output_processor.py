@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from jaxkv.engine.detokenizer import IncrementalDetokenizer, detokenize_token
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxkv.sampling_params import RequestOutputKind
+from jaxkv.sampling.params import RequestOutputKind
 
 
 @dataclass

@@ -106,7 +106,9 @@ def build_engine(cls, args):
                 f"; per device of tensor_parallel_size {config.runner.tensor_parallel_size}"
                 if config.runner.tensor_parallel_size > 1 else "")
     host, disk = kv_tiers(config, args)
-    runner = ModelRunner(model, params, config, kv_disk_dir=disk.dir if disk else None)
+    leader = multiprocess.Leader() if jax.process_count() > 1 and jax.process_index() == 0 else None
+    runner = ModelRunner(model, params, config, kv_disk_dir=disk.dir if disk else None,
+                         leader=leader)
     assert runner.offload is None or runner.offload.block_nbytes == config.cache.block_bytes
     scheduler = build_scheduler(config, tokenizer, host, disk)
     mc = config.model_config
@@ -119,8 +121,8 @@ def build_engine(cls, args):
         multiprocess.follow(runner)
         jax.distributed.shutdown()
         raise SystemExit(0)
-    if jax.process_count() > 1:
-        runner.leader = multiprocess.Leader()
+    if leader is not None:  # this process has warmed up: its idle heartbeat may begin
+        leader.start()
     if config.runner.async_scheduling:
         logger.info("async scheduling: the next decode step is dispatched before this step's "
                     "tokens reach the host")
@@ -162,7 +164,7 @@ def build_model(config, mesh):
     from jaxkv.attention import get_attention
     from jaxkv.models import cpu_linear
     from jaxkv.models.llama import LlamaModel
-    from jaxkv.runner import fused_greedy
+    from jaxkv.sampling import fused_greedy
 
     mc, rc = config.model_config, config.runner
     cpu_matmul = cpu_matmul_wanted(rc, mesh)

@@ -25,7 +25,7 @@ class EngineStats:
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
     # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/models/cpu_linear.py); 0: off.
     cpu_matmul_max_rows: int = 0
-    # Fused greedy sampling (jaxkv/runner/fused_greedy.py): the step programs of token buckets
+    # Fused greedy sampling (jaxkv/sampling/fused_greedy.py): the step programs of token buckets
     # up to this size take a plain greedy step's argmax themselves (0: none do), and the steps
     # that sampled that way.
     fused_greedy_max_tokens: int = 0

@@ -30,8 +30,8 @@ import jax
 import numpy as np
 
 from jaxkv.core.scheduler_output import SchedulerOutput
-from jaxkv.runner import sampler as smp
-from jaxkv.runner.sampling_rows import sampling_arrays
+from jaxkv.sampling import sampler as smp
+from jaxkv.sampling.rows import sampling_arrays
 from jaxkv.runner.buckets import num_rows
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.input_builder import build_step_input

@@ -6,11 +6,11 @@ and never copied or reallocated. It is compiled ahead of time per token bucket (
 attention backend with a decode kernel, per bucket once more for decode-only steps; see
 jaxkv/runner/compiler.py): the warmup buckets before the engine is ready, the others in a
 background thread, and each step is padded to the smallest bucket compiled so far. Logits of
-each sequence's last row (and of its draft rows, jaxkv/runner/sampling_rows.py) and sampling
+each sequence's last row (and of its draft rows, jaxkv/sampling/rows.py) and sampling
 run in a second, small jitted function (`sample`; dispatched and read back by the runner's
-sampler side, jaxkv/runner/runner_sampling.py), so sampler variants do not multiply the
+RowSampler, jaxkv/sampling/row_sampler.py), so sampler variants do not multiply the
 model's programs; except that the smallest buckets' step programs take a plain greedy step's
-argmax themselves (jaxkv/runner/fused_greedy.py).
+argmax themselves (jaxkv/sampling/fused_greedy.py).
 """
 
 from __future__ import annotations
@@ -28,29 +28,31 @@ from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models import cpu_linear
 from jaxkv.models.llama import LlamaModel, rope_inv_freq
-from jaxkv.runner import fused_greedy as fg
 from jaxkv.runner import lookahead as la
-from jaxkv.runner import sampler as smp
-from jaxkv.runner import sampling_rows as rows
 from jaxkv.models import sharding as sh
-from jaxkv.runner.buckets import num_rows, pick_bucket
+from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_bucket
 from jaxkv.runner.input_builder import build_step_input, rope_tables
 from jaxkv.runner.kv_offload import KVOffload
-from jaxkv.runner.runner_sampling import RunnerSampling
+from jaxkv.sampling import fused_greedy as fg
+from jaxkv.sampling import rows
+from jaxkv.sampling import sampler as smp
+from jaxkv.sampling.row_sampler import RowSampler, prompt_logprobs_body, sample_body
 from jaxkv.step_input import StepInput
 
 logger = logging.getLogger("jaxkv")
 
 
-class ModelRunner(RunnerSampling):
+class ModelRunner:
     def __init__(self, model: LlamaModel, params, config: EngineConfig,
-                 kv_disk_dir: str | None = None):
+                 kv_disk_dir: str | None = None, leader=None):
         """model/params: the Flax model and its weights; config: the engine's resolved record
         (pool size, buckets, max_model_len, max_num_seqs, max_logprobs, enforce_eager, the
         host tier's blocks); kv_disk_dir: the disk tier's folder of this model identity
-        (jaxkv.core.disk_tier.DiskTier.dir) or None."""
+        (jaxkv.core.disk_tier.DiskTier.dir) or None; leader: a multi-process engine's
+        jaxkv.runner.multiprocess.Leader on process 0 (sends each step to the other processes
+        before running it), None in one process and on a follower."""
         rc, cc = config.runner, config.cache
         self.config = config
         self.model, self.params = model, params
@@ -67,7 +69,7 @@ class ModelRunner(RunnerSampling):
         # C++ kernel (LlamaModel.cpu_matmul); 0 when the model does not use it.
         self.cpu_matmul_max_rows = cpu_linear.MAX_ROWS if model.cpu_matmul else 0
         # Step programs of at most this many tokens also return a plain greedy step's argmax
-        # (jaxkv/runner/fused_greedy.py).
+        # (jaxkv/sampling/fused_greedy.py).
         self.fused_greedy_max_tokens = fg.max_tokens(model)
         self.num_fused_greedy_steps = 0  # steps dispatched that way (run-ahead ones included)
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
@@ -87,9 +89,7 @@ class ModelRunner(RunnerSampling):
         self.compiled_token_buckets: tuple[int, ...] = self.token_buckets if enforce_eager else ()
         self._usable_buckets = self.token_buckets
         self.background: BackgroundCompiler | None = None
-        # A multi-process engine's leader (process 0): sends each step to the other processes
-        # before running it (jaxkv.runner.multiprocess.Leader); None in one process.
-        self.leader = None
+        self.leader = leader
         # The host and disk tiers' copies (jaxkv.runner.kv_offload.KVOffload) when they are on.
         if (kv_disk_dir is None) != (cc.kv_cache_disk_dir is None):
             raise ValueError("kv_disk_dir must be given exactly when the config has a disk tier")
@@ -139,8 +139,12 @@ class ModelRunner(RunnerSampling):
         out = {} if self.mesh is None or enforce_eager else {"out_shardings": sh.replicated(self.mesh)}
         self.programs = Programs(
             gather_rows=jit(lambda hidden, idx: hidden[idx], **out),
-            sample=jit(self._sample_rows, static_argnames=("mode", "num_logprobs"), **out),
-            prompt_logprobs=jit(self._prompt_logprobs, static_argnames=("num_logprobs",), **out))
+            sample=jit(sample_body(self._logits, self.model.cpu_matmul),
+                       static_argnames=("mode", "num_logprobs"), **out),
+            prompt_logprobs=jit(prompt_logprobs_body(self._logits),
+                                static_argnames=("num_logprobs",), **out))
+        self.sampler = RowSampler(self.programs, vocab_size=self.vocab_size,
+                                  max_model_len=self.max_model_len, max_logprobs=self.max_logprobs)
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
@@ -155,6 +159,19 @@ class ModelRunner(RunnerSampling):
 
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
+
+    # ---- sampler rows -------------------------------------------------------------------
+    def sample_rows(self, t: int, n: int = 0) -> int:
+        """Sampler rows of a token-bucket-t step that samples n rows: min(t, max_num_seqs),
+        every sequence's last row; more only with draft rows (speculative decoding): the next
+        power of two, at most t."""
+        r = num_rows(t, self.max_num_seqs)
+        return r if n <= r else min(t, pow2_at_least(n, 1))
+
+    def sample_row_counts(self, t: int) -> tuple[int, ...]:
+        """Every sampler row count a token-bucket-t step can use (compiled with the bucket)."""
+        most = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
+        return tuple(sorted({self.sample_rows(t, n) for n in (0, *range(1, most + 1))}))
 
     # ---- bookkeeping --------------------------------------------------------------------
     @property
@@ -269,14 +286,14 @@ class ModelRunner(RunnerSampling):
             elif run is not None and not reuse:
                 self._ahead = self._run_ahead(out, run[3], run[4])
         if reuse:
-            self._collect_sample(res, ahead.sampled, [x for _, x in reuse])
+            self.sampler.collect(res, ahead.sampled, [x for _, x in reuse])
         if run is not None:
             sub, si, hidden, spans, sampled = run
             if spans:
-                self._collect_sample(res, sampled, spans)
+                self.sampler.collect(res, sampled, spans)
             if any(s.prompt_logprob_targets for s in sub.scheduled):
                 with self.compiles:
-                    self._prompt_logprobs_into(res, hidden, si.query_start_loc, sub, si.num_tokens)
+                    self.sampler.prompt_logprobs_into(self.params, res, hidden, si.query_start_loc, sub, si.num_tokens)
         if self._ahead is not None:
             self._ahead.fill_tokens(res.sampled)
         return res
@@ -319,7 +336,7 @@ class ModelRunner(RunnerSampling):
     def _step_and_sample(self, scheduled, si: StepInput):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
         the sampler's output still on the device; None when nothing samples). A plain greedy
-        step of a small bucket samples inside its own program (jaxkv/runner/fused_greedy.py)."""
+        step of a small bucket samples inside its own program (jaxkv/sampling/fused_greedy.py)."""
         fused = fg.fusable(scheduled, si.num_tokens, self.fused_greedy_max_tokens)
         if fused:
             si = dataclasses.replace(si, fuse_greedy=fg.ON)
@@ -331,7 +348,9 @@ class ModelRunner(RunnerSampling):
             return hidden, fg.spans(scheduled), smp.SamplerOutput(tokens, None, None, None, None)
         with self.compiles:
             spans, idx = rows.layout(scheduled, si.query_start_loc)
-            sampled = self._dispatch_sample(hidden, spans, idx, si.num_tokens) if spans else None
+            sampled = (self.sampler.dispatch(self.params, hidden, spans, idx,
+                                              self.sample_rows(si.num_tokens, len(idx)))
+                       if spans else None)
         return hidden, spans, sampled
 
     # ---- warmup -------------------------------------------------------------------------

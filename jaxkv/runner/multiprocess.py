@@ -141,7 +141,9 @@ def share_config(config, channel: Channel | None = None):
 class Leader:
     """Process 0's side: `run(out, bucket, fn)` sends the step, then runs it (`fn()`), under
     one lock with the idle heartbeat, so every process dispatches the same programs in the
-    same order. `stop()` (also at interpreter exit) releases the followers."""
+    same order. `start()` begins the idle heartbeat once the leader has warmed up (the
+    ModelRunner holds the leader from its construction; build_engine starts it after warmup);
+    `stop()` (also at interpreter exit) releases the followers."""
 
     def __init__(self, channel: Channel | None = None, heartbeat_s: float = HEARTBEAT_S):
         self.channel = channel or Channel()
@@ -149,8 +151,16 @@ class Leader:
         self.last = time.monotonic()
         self.stopped = False
         self.heartbeat_s = heartbeat_s
-        threading.Thread(target=self._heartbeat, name="jaxkv-heartbeat", daemon=True).start()
-        atexit.register(self._at_exit)
+        self._started = False
+
+    def start(self) -> Leader:
+        """Start the idle heartbeat (a daemon thread) and the stop at interpreter exit; once."""
+        if not self._started:
+            self._started = True
+            self.last = time.monotonic()
+            threading.Thread(target=self._heartbeat, name="jaxkv-heartbeat", daemon=True).start()
+            atexit.register(self._at_exit)
+        return self
 
     def run(self, out, bucket: int, fn):
         with self.lock:

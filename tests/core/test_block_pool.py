@@ -7,7 +7,7 @@ import pytest
 from jaxkv.core.block_pool import BlockPool
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 
 def req(rid, ids, **sp):

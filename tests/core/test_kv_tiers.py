@@ -15,7 +15,7 @@ from jaxkv.core.disk_tier import CorruptBlockError, DiskTier, read_block, write_
 from jaxkv.core.host_tier import HostTier
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 H = [hash_block_tokens(None, [i]) for i in range(10)]
 ID = {"weights": "w", "dtype": "float32"}

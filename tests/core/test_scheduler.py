@@ -12,7 +12,7 @@ from jaxkv.core.scheduler import Scheduler
 from jaxkv.core.scheduler_output import RunnerOutput
 from jaxkv.engine_config import SchedulerConfig
 from jaxkv.core.request import Request, RequestStatus
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 
 def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16):

@@ -15,7 +15,7 @@ from jaxkv.core.scheduler import Scheduler
 from jaxkv.core.scheduler_output import RunnerOutput
 from jaxkv.core.spec_decode import NgramProposer, SpeculativeConfig
 from jaxkv.engine_config import SchedulerConfig
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 
 def cfg(k=3, hi=None, lo=None):

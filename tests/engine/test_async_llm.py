@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxkv.engine.async_llm import AsyncLLM, EngineDeadError
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.sampling.params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture

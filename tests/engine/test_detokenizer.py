@@ -6,7 +6,7 @@ import pytest
 
 from jaxkv.engine.detokenizer import IncrementalDetokenizer, detokenize_token, find_stop_string
 from jaxkv.engine.incremental_decoders import StreamDecoder
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 TEXTS = [
     "🙂🚀👍🏽",

@@ -26,7 +26,7 @@ from jaxkv.core.structured_output import StructuredOutputManager
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.core.scheduler_output import RunnerOutput
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.sampling.params import RequestOutputKind, SamplingParams
 
 V, EOS, BS, MAX_LEN = 40, 39, 4, 64
 FAKE_MODEL = dict(architectures=["LlamaForCausalLM"], hidden_size=8, intermediate_size=16,

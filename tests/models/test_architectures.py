@@ -20,7 +20,7 @@ from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.models.params import params_from_tensors
 from jaxkv.runner.model_runner import ModelRunner
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 COMMON = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -13,7 +13,7 @@ from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxkv.models.llama import apply_rope, rope_inv_freq
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.runner.input_builder import build_step_input, rope_tables
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling.params import SamplingParams
 
 SCALINGS = {
     "plain": dict(rope_theta=10000.0),

@@ -1,4 +1,4 @@
-"""Fused greedy sampling (jaxkv/runner/fused_greedy.py): the step programs of the smallest
+"""Fused greedy sampling (jaxkv/sampling/fused_greedy.py): the step programs of the smallest
 token buckets take a plain greedy step's argmax themselves. The tokens must be the sampler's,
 exactly: the same engine with the fusion turned off (its programs unchanged, every step then
 sampled by the separate sampler programs, which the HF parity tests check) gives the same
@@ -11,7 +11,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.core.scheduler_output import ScheduledRequest
-from jaxkv.runner import fused_greedy as fg
+from jaxkv.sampling import fused_greedy as fg
 
 PROMPTS = ["The capital of France is", "Write a haiku about rain.", "List three prime numbers:",
            "Once upon a time, a robot"]

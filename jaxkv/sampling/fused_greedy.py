@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.models import cpu_linear
-from jaxkv.runner import sampler as smp
-from jaxkv.runner.sampling_rows import Span, needs_penalties
+from jaxkv.sampling import sampler as smp
+from jaxkv.sampling.rows import Span, needs_penalties
 
 ON = np.ones(1, np.int32)  # StepInput.fuse_greedy of a step that asks for the argmax
 

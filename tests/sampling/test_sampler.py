@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.runner import sampler as smp
+from jaxkv.sampling import sampler as smp
 
 V = 12
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxkv.runner import sampler as smp
+from jaxkv.sampling import sampler as smp
 
 PENALTY_MIN_WIDTH = 512  # narrowest padded token-id width of the penalty arrays
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.sampling.params import RequestOutputKind, SamplingParams
 
 
 def test_defaults_match_vllm():

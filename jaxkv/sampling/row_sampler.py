@@ -1,0 +1,98 @@
+"""The runner's sampler: the sampled rows' logits and sampling in jitted programs of their own
+(jaxkv/sampling/sampler.py), dispatched after the step and read back to the host.
+
+`RowSampler` is held by ModelRunner (jaxkv/runner/model_runner.py), which builds it with its
+`Programs` (jaxkv/runner/compiler.py: the jitted gather, sample and prompt-logprobs functions,
+made from `sample_body` and `prompt_logprobs_body` below) and passes the params to each call.
+How many rows a step samples is the runner's (its token buckets: ModelRunner.sample_rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxkv.sampling import rows
+from jaxkv.sampling import sampler as smp
+
+
+def sample_body(logits, cpu_matmul: bool):
+    """The sampler program's function, to be jitted (static: mode, num_logprobs):
+    (params, hidden_rows float [R, hidden_size], SamplingArrays, penalty arrays or None,
+    bitmask int32 [R, ceil(V / 32)] or None) -> SamplerOutput. `logits(params, hidden)` is
+    the model's LM head; `cpu_matmul`: the argmax through the C++ kernel."""
+    def _sample_rows(params, hidden_rows, s, pen, bitmask, *, mode, num_logprobs):
+        return smp.sample(logits(params, hidden_rows), s, pen, bitmask, mode=mode,
+                          num_logprobs=num_logprobs, cpu=cpu_matmul)
+    return _sample_rows
+
+
+def prompt_logprobs_body(logits):
+    """The prompt-logprobs program's function, to be jitted (static: num_logprobs):
+    (params, hidden float [T, hidden_size], targets int32 [T]) -> sampler.prompt_logprobs'
+    (logprob, rank, top logprobs, top ids) of every row."""
+    def _prompt_logprobs(params, hidden, targets, *, num_logprobs):
+        return smp.prompt_logprobs(logits(params, hidden), targets, num_logprobs=num_logprobs)
+    return _prompt_logprobs
+
+
+class RowSampler:
+    """Dispatches the sampling of a step's rows and reads the results back.
+
+    programs: the runner's Programs (gather_rows, sample, prompt_logprobs); vocab_size,
+    max_model_len: the model's; max_logprobs: the most logprobs a request may ask for (the
+    sampler programs compute that many whenever one asks)."""
+
+    def __init__(self, programs, *, vocab_size: int, max_model_len: int, max_logprobs: int):
+        self.programs = programs
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.max_logprobs = max_logprobs
+
+    def dispatch(self, params, hidden, spans, idx, r: int):
+        """Dispatch the sampling of rows `idx` of `hidden` (`spans` their sequences,
+        jaxkv.sampling.rows.Span) padded to `r` sampler rows; returns the sampler's output,
+        still on the device."""
+        sp = [x.sched.sampling_params for x in spans]
+        greedy = all(p.temperature < smp.GREEDY_EPS for p in sp)
+        filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in sp if p.temperature >= smp.GREEDY_EPS)
+        mode = "greedy" if greedy else ("filtered" if filtered else "random")
+        want_lp = any(p.logprobs is not None for p in sp)
+        s_arr = rows.sampling_arrays(spans, r)
+        pen = (rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len)
+               if any(rows.needs_penalties(x.sched) for x in spans) else None)
+        h = self.programs.gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
+        return self.programs.sample(params, h, s_arr, pen,
+                                    rows.grammar_bitmask(spans, r, self.vocab_size), mode=mode,
+                                    num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
+
+    def collect(self, res, sampled, spans) -> None:
+        """Read the sampler's output to the host into RunnerOutput `res`: each span's kept
+        tokens (and logprobs)."""
+        if any(x.sched.sampling_params.logprobs is not None for x in spans):
+            o = jax.device_get(sampled)
+        else:  # the tokens only (one transfer, not five)
+            o = smp.SamplerOutput(jax.device_get(sampled.token_ids), None, None, None, None)
+        for x in spans:
+            s, ys = x.sched, o.token_ids[x.row:x.row + x.count]
+            keep = rows.num_accepted(ys, s.spec_token_ids) + 1
+            res.sampled[s.request_id] = [int(y) for y in ys[:keep]]
+            if s.sampling_params.logprobs is not None:
+                k = s.sampling_params.logprobs
+                res.logprobs[s.request_id] = [
+                    (float(o.logprob[i]), int(o.rank[i]), o.top_logprobs[i, :k], o.top_ids[i, :k])
+                    for i in range(x.row, x.row + keep)]
+
+    def prompt_logprobs_into(self, params, res, hidden, qsl, out, t: int) -> None:
+        """The prompt logprobs of every sequence of SchedulerOutput `out` that asks for them,
+        from the step's `hidden` (t rows; qsl: its query_start_loc), into `res`."""
+        targets = np.zeros(t, np.int32)
+        for i, s in enumerate(out.scheduled):
+            n = len(s.prompt_logprob_targets)
+            targets[qsl[i]:qsl[i] + n] = s.prompt_logprob_targets
+        o = jax.device_get(self.programs.prompt_logprobs(params, hidden, targets,
+                                                         num_logprobs=max(1, self.max_logprobs)))
+        for i, s in enumerate(out.scheduled):
+            n, k = len(s.prompt_logprob_targets), s.sampling_params.prompt_logprobs
+            if n:
+                sl = slice(qsl[i], qsl[i] + n)
+                res.prompt_logprobs[s.request_id] = (o[0][sl], o[1][sl], o[2][sl, :k], o[3][sl, :k])
