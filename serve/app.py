@@ -87,12 +87,22 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(GuardMiddleware, ctx=ctx)
+    _add_status_routes(app, ctx)
+    _add_generation_routes(app, ctx)
+    _add_tokenizer_routes(app, ctx)
+    _add_cache_and_metrics_routes(app, ctx, metrics)
+    return app
 
-    def engine():
-        if not ctx.ready:
-            raise APIError(f"not ready: {ctx.not_ready_reason()}", 503)
-        return ctx.engine
 
+def _ready_engine(ctx: ServerContext):
+    """The AsyncLLM of `ctx`; APIError 503 until it is ready."""
+    if not ctx.ready:
+        raise APIError(f"not ready: {ctx.not_ready_reason()}", 503)
+    return ctx.engine
+
+
+def _add_status_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """/health, /version and /v1/models."""
     @app.get("/health", response_class=Response, responses={**HEALTH_OK, **errors(503)})
     async def health():
         if not ctx.ready:
@@ -109,36 +119,33 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
                          max_model_len=ctx.engine.max_model_len if ctx.ready else None)
         return ModelList(data=[card]).model_dump()
 
+
+def _add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """/v1/completions and /v1/chat/completions (serve/completions.py, serve/chat.py)."""
     @app.post("/v1/completions", responses={**ok(CompletionResponse, SSE), **errors(400, 401, 404, 503)})
     async def completions(req: CompletionRequest, raw: Request):
-        engine()
+        _ready_engine(ctx)
         return await create_completion(req, ctx, raw)
 
     @app.post("/v1/chat/completions",
               responses={**ok(ChatCompletionResponse, SSE), **errors(400, 401, 404, 503)})
     async def chat(req: ChatCompletionRequest, raw: Request):
-        engine()
+        _ready_engine(ctx)
         return await create_chat_completion(req, ctx, raw)
 
+
+def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """vLLM's /tokenize (a prompt or chat messages) and /detokenize."""
     @app.post("/tokenize", responses={**ok(TokenizeResponse), **errors(400, 404, 503)})
     async def tokenize(req: TokenizeRequest):
-        eng = engine()
+        eng = _ready_engine(ctx)
         ctx.check_model(req.model)
-        tok = eng.get_tokenizer()
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError("give exactly one of prompt or messages", 400, "prompt")
-        if req.messages is not None:
-            ids = render_chat(tok, req, ctx.chat_template)["prompt_token_ids"]
-        else:
-            try:
-                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-            except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate
-                raise APIError(f"prompt: the text cannot be encoded ({e})"[:300], 400, "prompt") from e
+        ids = _token_ids(req, eng.get_tokenizer(), ctx)
         return TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids).model_dump()
 
     @app.post("/detokenize", responses={**ok(DetokenizeResponse), **errors(400, 404, 503)})
     async def detokenize(req: DetokenizeRequest):
-        eng = engine()
+        eng = _ready_engine(ctx)
         ctx.check_model(req.model)
         vocab = eng.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -146,11 +153,26 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
             raise APIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
         return DetokenizeResponse(prompt=eng.get_tokenizer().decode(req.tokens)).model_dump()
 
+
+def _token_ids(req: TokenizeRequest, tok, ctx: ServerContext) -> list[int]:
+    """The token ids /tokenize answers: of the prompt, or of the rendered chat messages."""
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("give exactly one of prompt or messages", 400, "prompt")
+    if req.messages is not None:
+        return render_chat(tok, req, ctx.chat_template)["prompt_token_ids"]
+    try:
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate
+        raise APIError(f"prompt: the text cannot be encoded ({e})"[:300], 400, "prompt") from e
+
+
+def _add_cache_and_metrics_routes(app: FastAPI, ctx: ServerContext, metrics) -> None:
+    """/kv_cache/blocks and /dashboard (the live cache page), /metrics (Prometheus)."""
     @app.get("/kv_cache/blocks", responses={**ok(KVCacheSnapshot), **errors(503)})
     async def kv_cache_blocks():
         """The block pool between two steps: per block its state and ref count, per request
         holding blocks its block table, and the engine's stats (the live page polls it)."""
-        snap = await asyncio.to_thread(engine().kv_cache_snapshot)
+        snap = await asyncio.to_thread(_ready_engine(ctx).kv_cache_snapshot)
         if snap is None:
             raise APIError(f"not ready: {ctx.not_ready_reason()}", 503)
         return snap
@@ -163,5 +185,3 @@ def build_app(ctx: ServerContext, metrics) -> FastAPI:
     @app.get("/metrics", response_class=Response, responses={**PROMETHEUS, **errors()})
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
