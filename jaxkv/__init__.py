@@ -5,7 +5,7 @@
 
 from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxkv.sampling.params import RequestOutputKind, SamplingParams
-from jaxkv.structured_outputs import StructuredOutputsParams
+from jaxkv.structured_outputs.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",

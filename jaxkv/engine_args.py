@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from jaxkv.core.kv_budget import parse_bytes
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.engine_config import ATTENTION_BACKENDS, check_batched_tokens, create_engine_config
-from jaxkv.structured_outputs import StructuredOutputsConfig
+from jaxkv.structured_outputs.params import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype values jaxkv implements ("fp8" is fp8_e4m3, as in vLLM), plus int8;

@@ -16,7 +16,7 @@ from typing import Callable
 
 from jaxkv.core.kv_budget import KVBudget, bytes_per_token, parse_bytes, plan_kv_cache
 from jaxkv.core.spec_decode import SpeculativeConfig
-from jaxkv.structured_outputs import StructuredOutputsConfig
+from jaxkv.structured_outputs.params import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
 
 logger = logging.getLogger("jaxkv")

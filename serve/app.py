@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxkv
-from serve.chat import create_chat_completion, render_chat
+from serve.chat import chat_request_prompt, create_chat_completion
 from serve.completions import create_completion
 from serve.context import ServerContext
 from serve.errors import APIError, error_body, install_error_handlers
@@ -159,7 +159,7 @@ def _token_ids(req: TokenizeRequest, tok, ctx: ServerContext) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("give exactly one of prompt or messages", 400, "prompt")
     if req.messages is not None:
-        return render_chat(tok, req, ctx.chat_template)["prompt_token_ids"]
+        return chat_request_prompt(tok, req, ctx.chat_template)["prompt_token_ids"]
     try:
         return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate

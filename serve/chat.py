@@ -22,13 +22,13 @@ from serve.protocol_responses import (ChatCompletionLogProb, ChatCompletionLogPr
                                       ChatCompletionLogProbsContent, ChatCompletionResponse,
                                       ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                       ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo)
-from serve.structured import relabel, request_constraint
+from serve.response_format import relabel, request_constraint
 from serve.tools import ToolOutput, template_tools, tool_constraint, tool_mode
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
 from serve.usage import UsageAccumulator
 
 
-def render_chat(tokenizer, req, chat_template: str | None = None) -> dict:
+def chat_request_prompt(tokenizer, req, chat_template: str | None = None) -> dict:
     """The request's messages -> {"prompt": text, "prompt_token_ids": ids} (jaxkv.chat_utils:
     control tokens only from the template); APIError 400 naming the field if a message or
     the template's options are bad."""
@@ -90,7 +90,7 @@ def _prepare(req: ChatCompletionRequest, ctx: ServerContext) -> "_ChatRun":
                            "schema is the constraint)", 400, field)
         constraint, field = tool_constraint(req, mode), "tools"
     tok = ctx.engine.get_tokenizer()
-    prompt = render_chat(tok, req, ctx.chat_template)
+    prompt = chat_request_prompt(tok, req, ctx.chat_template)
     k = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")

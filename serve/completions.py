@@ -17,7 +17,7 @@ from serve.errors import APIError, bad_request
 from serve.protocol import CompletionRequest
 from serve.protocol_responses import (CompletionLogProbs, CompletionResponse, CompletionResponseChoice,
                                       CompletionStreamResponse, UsageInfo)
-from serve.structured import relabel, request_constraint
+from serve.response_format import relabel, request_constraint
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
 from serve.usage import UsageAccumulator
 

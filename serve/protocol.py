@@ -15,7 +15,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from jaxkv.sampling.params import SamplingParams
-from jaxkv.structured_outputs import StructuredOutputsParams
+from jaxkv.structured_outputs.params import StructuredOutputsParams
 
 MAX_N = 16
 
@@ -85,7 +85,7 @@ class _Sampling(_Base):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's; token id (as a string) -> bias
-    # Structured outputs (serve/structured.py turns them into StructuredOutputsParams)
+    # Structured outputs (serve/response_format.py turns them into StructuredOutputsParams)
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None
     guided_json: Union[StrictStr, dict, None] = None

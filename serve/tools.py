@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from jaxkv.structured_outputs import StructuredOutputsParams
+from jaxkv.structured_outputs.params import StructuredOutputsParams
 from serve import tool_parsers
 from serve.errors import APIError
 from serve.protocol_responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall

@@ -45,13 +45,13 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
 
 
 def test_server_renders_with_its_chat_template(llm):
-    from serve.chat import render_chat
+    from serve.chat import chat_request_prompt
     from serve.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}])
     tok = llm.get_tokenizer()
-    own = render_chat(tok, req)
-    mine = render_chat(tok, req, "<<{{ messages[0]['content'] }}>>")
+    own = chat_request_prompt(tok, req)
+    mine = chat_request_prompt(tok, req, "<<{{ messages[0]['content'] }}>>")
     assert "<|im_start|>" in own["prompt"] and mine["prompt"] == "<<hello>>"
     assert mine["prompt_token_ids"] == tok.encode("<<hello>>", add_special_tokens=False)
 

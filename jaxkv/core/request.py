@@ -68,7 +68,7 @@ class Request:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     cumulative_logprob: float | None = None
-    # Structured outputs: this sequence's grammar matcher (jaxkv.core.structured_output).
+    # Structured outputs: this sequence's grammar matcher (jaxkv.core.grammar).
     grammar: Any = None
     # sampling_params.bad_words as token id sequences (the engine tokenized them)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)

@@ -34,7 +34,7 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
-from .structured_output import StructuredOutputManager, wait_for_any
+from .grammar import StructuredOutputManager, wait_for_any
 
 if TYPE_CHECKING:
     from jaxkv.engine_config import SchedulerConfig

@@ -66,7 +66,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # made by a step that then raised
         if scheduler.structured_output_manager is None:
             raise ValueError("LLMEngine needs a Scheduler built with a StructuredOutputManager "
-                             "(jaxkv.core.structured_output) of this tokenizer")
+                             "(jaxkv.core.grammar) of this tokenizer")
         self.structured_output_manager = scheduler.structured_output_manager
 
     @classmethod

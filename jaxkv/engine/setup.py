@@ -202,7 +202,7 @@ def build_scheduler(config, tokenizer, host, disk):
     structured-output manager of this tokenizer."""
     from jaxkv.core.kv_cache_manager import KVCacheManager
     from jaxkv.core.scheduler import Scheduler
-    from jaxkv.core.structured_output import StructuredOutputManager
+    from jaxkv.core.grammar import StructuredOutputManager
 
     cc, mc = config.cache, config.model_config
     if config.speculative is not None:

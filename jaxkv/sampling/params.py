@@ -13,7 +13,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from jaxkv.structured_outputs import StructuredOutputsParams
+from jaxkv.structured_outputs.params import StructuredOutputsParams
 
 # vLLM's _SAMPLING_EPS: temperatures below this are treated as greedy (argmax).
 _SAMPLING_EPS = 1e-5

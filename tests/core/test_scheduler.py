@@ -111,7 +111,7 @@ def test_a_request_whose_grammar_compiles_is_passed_over_not_waited_for():
     with nothing else to run the step is empty (no stall error)."""
     from concurrent.futures import Future
 
-    from jaxkv.core.structured_output import GrammarState
+    from jaxkv.core.grammar import GrammarState
 
     kv = KVCacheManager(32, 4, True)
     sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64))

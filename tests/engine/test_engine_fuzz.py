@@ -22,7 +22,7 @@ import pytest
 from jaxkv.engine_args import EngineArgs
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
-from jaxkv.core.structured_output import StructuredOutputManager
+from jaxkv.core.grammar import StructuredOutputManager
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.core.scheduler_output import RunnerOutput

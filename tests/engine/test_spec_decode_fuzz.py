@@ -14,7 +14,7 @@ import pytest
 import tests.engine.test_engine_fuzz as F
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.scheduler import Scheduler
-from jaxkv.core.structured_output import StructuredOutputManager
+from jaxkv.core.grammar import StructuredOutputManager
 from jaxkv.core.scheduler_output import RunnerOutput
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.engine_args import EngineArgs

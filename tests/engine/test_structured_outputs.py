@@ -172,7 +172,7 @@ def test_stats_count_constrained_samples_and_their_grammars(llm):
 
 def test_structured_outputs_config_flag():
     from jaxkv import EngineArgs
-    from jaxkv.structured_outputs import StructuredOutputsConfig
+    from jaxkv.structured_outputs.params import StructuredOutputsConfig
 
     for bad, key in (({"backend": "xgrammar"}, "backend"), ({"disable_any_whitespace": 1}, "disable_any_whitespace"),
                      ({"strict": True}, "strict"), ("{", "structured_outputs_config")):

@@ -9,7 +9,7 @@ three may be set; errors are 400s naming the field the client sent.
 
 from __future__ import annotations
 
-from jaxkv.structured_outputs import StructuredOutputsParams
+from jaxkv.structured_outputs.params import StructuredOutputsParams
 from serve.errors import APIError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
