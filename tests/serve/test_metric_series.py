@@ -121,3 +121,19 @@ def test_async_steps_counter_by_outcome():
     got = {dict(k[1])["outcome"]: v for k, v in m.items() if k[0] == "jaxkv:async_steps_total"}
     assert got == {"used": 7, "discarded": 1}
     assert not [k for k in scrape(IDLE) if "async_steps" in k[0]]  # off: no series
+
+
+def test_every_series_is_in_the_serving_docs_table():
+    """docs/serving.md lists every series a scrape can show (every feature's on here)."""
+    import pathlib
+    import re
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    listed = set(re.findall(r"`([a-z0-9_]+)`", doc))
+    stats = replace(IDLE, async_scheduling=True, kv_offload_host_blocks=10, kv_offload_disk_blocks=10,
+                    spec_decode_num_accepted_tokens_per_pos=(1,))
+    text = generate_latest(PrometheusStatLogger(lambda: stats, "m", cache_info={"block_size": 16})
+                           .registry).decode()
+    names = {f.name.removeprefix("jaxkv:") + ("_total" if f.type == "counter" else "")
+             for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+    assert len(names) > 30
+    assert names - listed == set()
