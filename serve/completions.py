@@ -3,6 +3,9 @@
 prompt: a string, a list of strings, a list of token ids, or a list of such lists; each prompt
 is one engine request with n samples, and choice index = prompt index * n + sample index.
 echo prepends the prompt (with logprobs, the prompt's logprobs come from prompt_logprobs).
+echo with max_tokens=0 answers the prompt alone, with its logprobs (OpenAI's way to score a
+text, as vLLM serves it): the engine request generates one token that is not shown, so
+SamplingParams itself keeps refusing max_tokens=0; usage counts that token, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -97,8 +100,9 @@ def _prepare(req: CompletionRequest, ctx: ServerContext) -> "_CompletionRun":
         raise APIError(f"best_of must equal n ({req.n}), got {req.best_of}", 400, "best_of")
     prompts = _prompts(req, ctx.engine.get_tokenizer())
     constraint, field = request_constraint(req)
+    echo_only = req.echo and req.max_tokens == 0
     try:
-        params = req.sampling_params(req.max_tokens, req.logprobs,
+        params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs,
                                      req.logprobs if req.echo and req.logprobs is not None else None,
                                      structured_outputs=constraint)
     except ValueError as e:
@@ -123,6 +127,7 @@ class _CompletionRun:
         self.token_text = ctx.engine.engine.output_processor.token_text
         self.prompt_text = [pr.prompt if pr.prompt is not None else tok.decode(pr.prompt_token_ids)
                             for pr in batch.processed]
+        self.echo_only = req.echo and req.max_tokens == 0  # the prompt alone, nothing generated
         self.echoed: set[int] = set()   # choice indexes whose first output was shaped
         self.prompt_lp: dict = {}       # prompt index -> its prompt logprobs
         self.offset: dict = {}          # choice index -> its _TextOffset
@@ -136,9 +141,10 @@ class _CompletionRun:
         self.echoed.add(idx)
         if out.prompt_logprobs is not None:
             self.prompt_lp[i] = out.prompt_logprobs
-        text, lp = (self.prompt_text[i] + c.text if req.echo and first else c.text), None
+        shown = "" if self.echo_only else c.text
+        text, lp = (self.prompt_text[i] + shown if req.echo and first else shown), None
         if req.logprobs is not None:
-            ids, entries = list(c.token_ids), list(c.logprobs or [])
+            ids, entries = ([], []) if self.echo_only else (list(c.token_ids), list(c.logprobs or []))
             if req.echo and first and i in self.prompt_lp:
                 ids = list(out.prompt_token_ids) + ids
                 entries = list(self.prompt_lp[i]) + entries

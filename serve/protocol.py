@@ -124,7 +124,7 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
     prompt: Prompt
     add_special_tokens: bool = True
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (serve/completions.py)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
