@@ -21,7 +21,7 @@ from serve.openapi import HEALTH_OK, HTML, PROMETHEUS, SSE, errors, install_open
 from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serve.protocol_responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
                                      KVCacheSnapshot, ModelCard, ModelList, TokenizeResponse,
-                                     VersionResponse)
+                                     TokenizerInfoResponse, VersionResponse)
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 DASHBOARD_HTML = (pathlib.Path(__file__).parent / "static" / "dashboard.html").read_text(encoding="utf-8")
@@ -152,6 +152,35 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
         if bad:
             raise APIError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
         return DetokenizeResponse(prompt=eng.get_tokenizer().decode(req.tokens)).model_dump()
+
+
+    if ctx.enable_tokenizer_info_endpoint:  # vLLM's flag: it may show a private template
+        @app.get("/tokenizer_info", responses={**ok(TokenizerInfoResponse), **errors(503)})
+        async def tokenizer_info():
+            """The tokenizer's configuration, as its tokenizer_config.json would hold it."""
+            return tokenizer_config(_ready_engine(ctx).get_tokenizer(), ctx.chat_template)
+
+
+def tokenizer_config(tok, chat_template: str | None) -> dict:
+    """vLLM's /tokenizer_info body: the tokenizer's init arguments made JSON (an AddedToken as
+    its text), its class as tokenizer_class, and the server's --chat-template if one is set."""
+    info = {k: _json_value(v) for k, v in getattr(tok, "init_kwargs", {}).items()}
+    info.update(tokenizer_class=type(tok).__name__, model_max_length=tok.model_max_length)
+    if chat_template is not None:
+        info["chat_template"] = chat_template
+    elif getattr(tok, "chat_template", None) is not None:
+        info.setdefault("chat_template", tok.chat_template)
+    return info
+
+
+def _json_value(v):
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    if isinstance(v, dict):
+        return {str(k): _json_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return getattr(v, "content", None) if hasattr(v, "content") else str(v)  # AddedToken: its text
 
 
 def _token_ids(req: TokenizeRequest, tok, ctx: ServerContext) -> list[int]:

@@ -25,7 +25,7 @@ from serve.protocol_responses import (ChatCompletionLogProb, ChatCompletionLogPr
 from serve.response_format import relabel, request_constraint
 from serve.tools import ToolOutput, template_tools, tool_constraint, tool_mode
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
-from serve.usage import UsageAccumulator
+from serve.usage import UsageAccumulator, continuous_usage
 
 
 def chat_request_prompt(tokenizer, req, chat_template: str | None = None) -> dict:
@@ -120,7 +120,8 @@ class _ChatRun:
                  batch: RequestBatch):
         self.req, self.ctx, self.mode, self.k = req, ctx, mode, k  # k: top logprobs, or None
         self.role, self.echo, self.batch = role, echo, batch
-        self.rid, self.created, self.usage = batch.base_id, int(time.time()), UsageAccumulator()
+        self.rid, self.created = batch.base_id, int(time.time())
+        self.usage = UsageAccumulator(continuous_usage(req))
         self.tools = {}  # choice index -> ToolOutput (tool calls parsed from its text)
 
     def tool_output(self, index: int) -> ToolOutput | None:
@@ -135,7 +136,8 @@ class _ChatRun:
 
     def chunk(self, choices, usage_info: UsageInfo | None = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=self.rid, created=self.created,
-                                            model=self.ctx.model_name, choices=choices, usage=usage_info)
+                                            model=self.ctx.model_name, choices=choices,
+                                            usage=usage_info or self.usage.so_far())
 
     def one(self, index, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None):
         return self.chunk([ChatCompletionResponseStreamChoice(

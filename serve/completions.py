@@ -22,7 +22,7 @@ from serve.protocol_responses import (CompletionLogProbs, CompletionResponse, Co
                                       CompletionStreamResponse, UsageInfo)
 from serve.response_format import relabel, request_constraint
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
-from serve.usage import UsageAccumulator
+from serve.usage import UsageAccumulator, continuous_usage
 
 
 def _prompts(req: CompletionRequest, tokenizer) -> list:
@@ -131,7 +131,7 @@ class _CompletionRun:
         self.echoed: set[int] = set()   # choice indexes whose first output was shaped
         self.prompt_lp: dict = {}       # prompt index -> its prompt logprobs
         self.offset: dict = {}          # choice index -> its _TextOffset
-        self.usage = UsageAccumulator()
+        self.usage = UsageAccumulator(continuous_usage(req))
 
     def choice(self, i, out, c) -> CompletionResponseChoice:
         """Choice c of prompt i's output, with the echoed prompt (and its logprobs) first."""
@@ -155,7 +155,7 @@ class _CompletionRun:
 
     def chunk(self, choices, usage_info: UsageInfo | None = None) -> CompletionStreamResponse:
         return CompletionStreamResponse(id=self.rid, created=self.created, model=self.ctx.model_name,
-                                        choices=choices, usage=usage_info)
+                                        choices=choices, usage=usage_info or self.usage.so_far())
 
     async def chunks(self):
         """OpenAI's order per choice: text chunks (finish_reason null), then one chunk with

@@ -23,6 +23,7 @@ class ServerContext:
     chat_template: str | None = None   # --chat-template (None: the tokenizer's own)
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     tool_call_parser: str | None = None    # --tool-call-parser (serve/tool_parsers.py)
+    enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint
 
     @property
     def ready(self) -> bool:

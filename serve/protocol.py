@@ -57,6 +57,7 @@ class ResponseFormat(_Base):
 
 class StreamOptions(_Base):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class _Sampling(_Base):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, model_serializer
+from pydantic import BaseModel, ConfigDict, model_serializer
 
 StopReason = Union[int, str, None]  # the stop token id or stop string that ended a choice
 
@@ -239,3 +239,11 @@ class TokenizeResponse(OpenAIResponse):
 
 class DetokenizeResponse(OpenAIResponse):
     prompt: str  # the decoded text
+
+
+class TokenizerInfoResponse(OpenAIResponse):
+    """GET /tokenizer_info (vLLM's, behind --enable-tokenizer-info-endpoint): the tokenizer's
+    configuration as its tokenizer_config.json would hold it (bos/eos/pad/unk tokens,
+    model_max_length, chat_template, ...; other keys as the tokenizer has them)."""
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str

@@ -99,6 +99,7 @@ def _server_context(ns, args):
     return ServerContext(model_name=served_model_name(args.model, ns.served_model_name),
                          chat_template=chat_template, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                          tool_call_parser=ns.tool_call_parser,
+                         enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
                          model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
                          created=int(time.time()))
 
@@ -151,5 +152,8 @@ def add_serve_parser(sub) -> None:
                    help="prefix of the /metrics series names (default: jaxkv; vllm gives vLLM's "
                    "own names, for routers that read them)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration, chat template "
+                   "included; off by default, as in vLLM, since a template may be private)")
     EngineArgs.add_cli_args(s)
     s.set_defaults(func=run_server)

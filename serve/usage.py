@@ -11,16 +11,37 @@ class UsageAccumulator:
     are counted from every output, prompt and cached tokens once, from each engine request's
     finished output."""
 
-    def __init__(self):
+    def __init__(self, continuous: bool = False):
+        """continuous: stream_options.continuous_usage_stats (with include_usage), vLLM's usage
+        in every chunk; `so_far()` then gives it."""
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.continuous = continuous
+        self._prompts_seen: dict[str, int] = {}  # engine request id -> its prompt tokens
 
     def add(self, out) -> None:
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        self._prompts_seen.setdefault(out.request_id, len(out.prompt_token_ids))
         if out.finished:
             self.prompt_tokens += len(out.prompt_token_ids)
             self.cached_tokens += out.num_cached_tokens
+
+    def so_far(self) -> UsageInfo | None:
+        """With `continuous`, the usage up to now (the prompts of the engine requests seen so
+        far, the tokens generated so far), as vLLM's continuous usage stats; else None."""
+        if not self.continuous:
+            return None
+        prompt = sum(self._prompts_seen.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt + self.completion_tokens)
 
     def info(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
                          total_tokens=self.prompt_tokens + self.completion_tokens,
                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=self.cached_tokens))
+
+
+def continuous_usage(req) -> bool:
+    """Whether a streamed request asked for usage in every chunk (vLLM: include_usage and
+    continuous_usage_stats)."""
+    so = getattr(req, "stream_options", None)
+    return bool(req.stream and so is not None and so.include_usage and so.continuous_usage_stats)
