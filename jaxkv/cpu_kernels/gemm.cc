@@ -1,4 +1,4 @@
-// jaxkv's matmul of a few dozen rows for the CPU: an XLA FFI custom call (see cpu_linear.py).
+// jaxkv's matmul of a few dozen rows for the CPU: an XLA FFI custom call (see linear.py).
 //
 // y_m = x @ W_m for one input x float32 [T, K] (17 <= T <= 128: a decode step of 17 to 64
 // sequences, or a step of up to 128 tokens) and one to eight weights W_m float32 [K, N_m] (Flax kernels). XLA:CPU's dots

@@ -1,4 +1,4 @@
-// jaxkv's few-row matmul for the CPU: an XLA FFI custom call (see cpu_linear.py).
+// jaxkv's few-row matmul for the CPU: an XLA FFI custom call (see linear.py).
 //
 // y_m = x @ W_m for one input x float32 [T, K] (T small: a decode step's rows) and one or
 // more weights W_m float32, each [K, N_m] (a Flax kernel) or, with transposed = 1, [N_m, K]
@@ -6,7 +6,7 @@
 // read of the weights (a GEMV): XLA:CPU runs each such dot on one thread, ~14 GB/s on the
 // 2-core machine, where both cores read ~28 GB/s. Here the weights are cut into work items
 // shared by the calling thread and tasks on XLA's intra-op thread pool through one atomic
-// counter (as cpu_attention.cc), so every core streams its own part of the weights from
+// counter (as attention.cc), so every core streams its own part of the weights from
 // memory once; several weights of one input (q/k/v, gate/up) go in one call, one set of items.
 //
 // The items follow the memory: a [K, N] weight's item is a chunk of kChunkRows consecutive

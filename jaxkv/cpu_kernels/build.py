@@ -1,7 +1,7 @@
 """Build and load jaxkv's C++ kernels for XLA:CPU (XLA FFI custom calls): the ragged paged
-attention (jaxkv/attention/cpu_attention.cc), the few-row matmul (jaxkv/models/cpu_linear.cc),
-the matmul of 17-128 rows (jaxkv/models/cpu_gemm.cc) and the greedy argmax
-(jaxkv/runner/cpu_argmax.cc), compiled together into one library.
+attention (attention.cc), the few-row matmul (linear.cc), the matmul of 17-128 rows (gemm.cc)
+and the greedy argmax (argmax.cc), the sources next to this file, compiled together into one
+library.
 
 Build: the sources are compiled once per machine with the system's C++ compiler (g++ or
 $CXX; -O3 -march=native, against jaxlib's FFI headers, `jax.ffi.include_dir()`) into
@@ -29,8 +29,7 @@ from pathlib import Path
 import jax
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "attention" / "cpu_attention.cc", _HERE / "models" / "cpu_linear.cc",
-           _HERE / "models" / "cpu_gemm.cc", _HERE / "runner" / "cpu_argmax.cc")
+SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "gemm.cc", "argmax.cc"))
 # XLA FFI target name -> the library's handler symbol
 TARGETS = {"jaxkv_ragged_paged_attention": "JaxkvRaggedPagedAttention",
            "jaxkv_linear": "JaxkvLinear", "jaxkv_gemm": "JaxkvGemm", "jaxkv_argmax": "JaxkvArgmax"}

@@ -1,4 +1,4 @@
-// jaxkv's CPU ragged paged attention: an XLA FFI custom call (see cpu_attention.py).
+// jaxkv's CPU ragged paged attention: an XLA FFI custom call (see attention.py).
 //
 // Semantics are those of pallas_kernels/reference.py (vLLM's ragged paged attention): the
 // query rows of sequence s are rows query_start_loc[s] .. query_start_loc[s+1]-1, the last
