@@ -10,6 +10,9 @@ $CXX, cached per machine, registered with XLA for the CPU):
 - argmax.cc / argmax.py: the greedy argmax of the sampler programs
   (jaxkv.sampling.sampler.argmax_tokens with cpu=True).
 
+All four share their work items among the calling thread and tasks on XLA's intra-op thread
+pool the same way, written once in work_sharing.h (jaxkv::RunShared).
+
 The package re-exports the build's public names: `load()` (build once, load, register; None
 when it cannot), `build_error()`, `unavailable()` (why the "cpu" backend cannot run here) and
 `build_info`. The wrappers are imported as submodules (`from jaxkv.cpu_kernels import

@@ -1,7 +1,8 @@
 """The C++ kernels' build (jaxkv/cpu_kernels/build.py): a second build with the same key is
-reused, a failing compiler's message is reported and leaves nothing half-written, $CXX is split
-as a shell would, and the engine refuses the "cpu" backend (or falls back from "auto") where
-the kernels cannot be built."""
+reused, a changed header builds anew, a failing compiler's message is reported and leaves
+nothing half-written, every .cc and .h of the package is compiled or keyed, $CXX is split as a
+shell would, and the engine refuses the "cpu" backend (or falls back from "auto") where the
+kernels cannot be built."""
 
 import pytest
 
@@ -21,6 +22,27 @@ def test_build_is_cached_and_failure_is_reported(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"failed \(exit status 1\): .*bad.cc"):
         build._build(cxx, (build.SOURCES[0], bad))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "bad.cc"])
+
+
+def test_a_header_change_builds_anew(tmp_path, monkeypatch):
+    """The headers' text is in the build's key: the same source with a changed header gives a
+    new library (the old one stays, for builds that still match it)."""
+    cxx = build._compiler()
+    monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(tmp_path / "cache"))
+    header, source = tmp_path / "work_sharing.h", tmp_path / "tiny.cc"
+    header.write_text("inline int answer() { return 42; }\n")
+    source.write_text('#include "work_sharing.h"\nint jaxkv_tiny() { return answer(); }\n')
+    first = build._build(cxx, (source,), (header,))
+    assert build._build(cxx, (source,), (header,)) == first
+    header.write_text("inline int answer() { return 43; }\n")
+    second = build._build(cxx, (source,), (header,))
+    assert second != first and first.exists() and second.exists()
+
+
+def test_every_source_and_header_of_the_package_is_built_or_keyed():
+    here = build.SOURCES[0].parent
+    assert sorted(build.SOURCES) == sorted(here.glob("*.cc"))
+    assert sorted(build.HEADERS) == sorted(here.glob("*.h"))
 
 
 def test_compiler_command(monkeypatch):
