@@ -80,7 +80,7 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     rng = np.random.default_rng(seed)
     h = jnp.asarray(rng.standard_normal((t, c.hidden_size)), jnp.float32)
 
-    from jaxkv.models import cpu_linear
+    from jaxkv.cpu_kernels import linear as cpu_linear
 
     def mm_group(x, *ws):  # as the model runs them (llama.matmul): one kernel call, or dots
         if runner.model.cpu_matmul and cpu_linear.applies(x, *ws):

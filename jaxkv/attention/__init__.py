@@ -5,11 +5,11 @@ K/V write are in kv_pool.py).
 model (no backend string travels through the layers):
   - "xla": jaxkv/attention/xla_ragged.py, ragged paged attention in pure jnp tuned for XLA;
     its per-step row metadata is computed once (`prepare`) and shared by every layer.
-  - "cpu": jaxkv/attention/cpu_attention.py, ragged paged attention in C++ (an XLA FFI custom
+  - "cpu": jaxkv/cpu_kernels/attention.py, ragged paged attention in C++ (an XLA FFI custom
     call built on first use with the machine's compiler) that reads the pool's blocks in
     place: decode rows, prefill chunks and prompt tails alike. The default on a CPU; per
     device under tensor parallelism (`per_shard`), like a Pallas call. On one device the
-    engine pairs it with the C++ matmul of few-row steps (jaxkv/models/cpu_linear.py).
+    engine pairs it with the C++ matmul of few-row steps (jaxkv/cpu_kernels/linear.py).
   - "pallas": the Pallas kernels of pallas_kernels/: the ragged kernel for steps with prefill
     chunks, the decode kernel for decode-only steps (StepInput.decode_only, static, so each
     token bucket has a decode program of its own). Native on a GPU; interpret mode elsewhere
@@ -31,10 +31,10 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragg
 from pallas_kernels.validation import next_pow2
 
 from jaxkv import cpu_kernels
-from jaxkv.attention import cpu_attention
 from jaxkv.attention.kv_pool import (KVPool, is_rotated, new_kv_pool, rotate,  # noqa: F401
                                     split_by_kv_head, write_kv)
 from jaxkv.attention.xla_ragged import ragged_metadata, xla_ragged_paged_attention
+from jaxkv.cpu_kernels import attention as cpu_attention
 from jaxkv.step_input import StepInput
 
 

@@ -46,7 +46,7 @@ def log_attention_backend(backend: str) -> None:
 
 def cpu_matmul_wanted(runner_config, mesh) -> bool:
     """Whether the model runs its few-row matmuls through jaxkv's C++ kernel
-    (jaxkv/models/cpu_linear.py): with the (resolved) cpu attention backend, float32 weights
+    (jaxkv/cpu_kernels/linear.py): with the (resolved) cpu attention backend, float32 weights
     and one device (a tensor-parallel mesh keeps XLA's partitioned dots)."""
     return (runner_config.attention_backend == "cpu" and runner_config.dtype == "float32"
             and mesh is None)
@@ -162,7 +162,7 @@ def build_model(config, mesh):
     import jax.numpy as jnp
 
     from jaxkv.attention import get_attention
-    from jaxkv.models import cpu_linear
+    from jaxkv.cpu_kernels import linear as cpu_linear
     from jaxkv.models.llama import LlamaModel
     from jaxkv.sampling import fused_greedy
 

@@ -23,7 +23,7 @@ class EngineStats:
     num_processes: int = 1                        # processes holding them (multi-process)
     attention_backend: str = ""                   # "cpu" | "xla" | "pallas", as resolved
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
-    # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/models/cpu_linear.py); 0: off.
+    # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/cpu_kernels/linear.py); 0: off.
     cpu_matmul_max_rows: int = 0
     # Fused greedy sampling (jaxkv/sampling/fused_greedy.py): the step programs of token buckets
     # up to this size take a plain greedy step's argmax themselves (0: none do), and the steps

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.attention import Attention, get_attention, write_and_attend
-from jaxkv.models import cpu_linear
+from jaxkv.cpu_kernels import linear as cpu_linear
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.step_input import StepInput
 
@@ -89,7 +89,7 @@ def matmul(x, layers, cpu: bool) -> list:
     """x [T, in] -> [x @ kernel (+ bias), [T, out_i] for each Linear of `layers`], computed in
     the layers' dtype. With `cpu` (LlamaModel.cpu_matmul), an x of at most
     cpu_linear.MAX_ROWS float32 rows goes through jaxkv's C++ kernel in one call for all the
-    layers (jaxkv/models/cpu_linear.py); otherwise each is an XLA dot."""
+    layers (jaxkv/cpu_kernels/linear.py); otherwise each is an XLA dot."""
     weights = [layer(x.shape[-1]) for layer in layers]
     kernels = [k for k, _ in weights]
     x = x.astype(kernels[0].dtype)  # as flax's Dense: computed in the layer's dtype

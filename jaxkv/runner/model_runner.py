@@ -25,8 +25,8 @@ import numpy as np
 
 from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
+from jaxkv.cpu_kernels import linear as cpu_linear
 from jaxkv.engine_config import EngineConfig
-from jaxkv.models import cpu_linear
 from jaxkv.models.llama import LlamaModel, rope_inv_freq
 from jaxkv.runner import lookahead as la
 from jaxkv.models import sharding as sh

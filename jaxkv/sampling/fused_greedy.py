@@ -5,8 +5,8 @@ sequence, no logprobs, penalties, logits filters, min_tokens ban, bad words, dra
 grammar) needs nothing from the sampler but argmax(logits) of each sequence's last row. In
 the step programs of the token buckets of at most `max_tokens` rows (the runner's
 `fused_greedy_max_tokens`: on the cpu backend with a tied embedding, the buckets whose LM
-head is the C++ kernel's read of the embedding table, cpu_linear's MAX_ROWS_TRANSPOSED; 0
-otherwise) that argmax is a third output, computed under a `lax.cond` on
+head is the C++ kernel's read of the embedding table, jaxkv.cpu_kernels.linear's
+MAX_ROWS_TRANSPOSED; 0 otherwise) that argmax is a third output, computed under a `lax.cond` on
 StepInput.fuse_greedy, so a step that does not ask for it skips the LM head. A single greedy
 stream then runs one program per token instead of three (the step, the gather of its
 sampled rows, the sampler): on the 2-core CPU that saved ~2-3 ms of ~25 per token (each
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.models import cpu_linear
+from jaxkv.cpu_kernels import linear as cpu_linear
 from jaxkv.sampling import sampler as smp
 from jaxkv.sampling.rows import Span, needs_penalties
 

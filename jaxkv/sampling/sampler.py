@@ -37,7 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxkv import cpu_kernels
+from jaxkv.cpu_kernels import argmax as cpu_argmax
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 MODES = ("greedy", "random", "filtered")
@@ -171,13 +171,10 @@ def argmax_tokens(logits, *, cpu: bool = False):
     XLA:CPU's vectorized max drops NaNs in rows of 4096 or more.) With `cpu` (the sampler
     programs of a model with LlamaModel.cpu_matmul: the cpu backend, float32 weights, one
     device) the same keys in one pass, per row, by jaxkv's C++ kernel
-    (jaxkv/runner/cpu_argmax.cc): 2.4-3.7 -> ~0.4 ms at 64 x 49152. Raises RuntimeError if
-    that kernel is asked for and cannot be built."""
+    (jaxkv.cpu_kernels.argmax, argmax.cc): 2.4-3.7 -> ~0.4 ms at 64 x 49152. Raises
+    RuntimeError if that kernel is asked for and cannot be built."""
     if cpu:
-        if cpu_kernels.load() is None:
-            raise RuntimeError(f"cpu argmax kernel unavailable: {cpu_kernels.build_error()}")
-        out = jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32)
-        return jax.ffi.ffi_call("jaxkv_argmax", out)(logits.astype(jnp.float32))
+        return cpu_argmax.argmax(logits)
     x = jnp.where(logits == 0, jnp.zeros_like(logits), logits)  # -0.0 -> 0.0
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # negatives: order reversed

@@ -9,7 +9,7 @@ tests/runner/tp_check.py and multiprocess_check.py; their resolution goes throug
 import jax
 import pytest
 
-from jaxkv import cpu_kernels
+from jaxkv.cpu_kernels import build
 from jaxkv.engine import LLMEngine
 from jaxkv.engine_args import EngineArgs
 from jaxkv.loader.source import load_checkpoint
@@ -44,7 +44,7 @@ def resolved(args: EngineArgs):
     return args.create_engine_config(
         platform=jax.default_backend(),
         model_config=ModelConfig.from_hf_config(load_checkpoint(args.model, args.load_format).config),
-        device_memory_bytes=None, num_processes=1, cpu_kernels_unavailable=cpu_kernels.unavailable)
+        device_memory_bytes=None, num_processes=1, cpu_kernels_unavailable=build.unavailable)
 
 
 def built_config(args: EngineArgs):
@@ -67,8 +67,8 @@ def test_the_build_uses_the_resolved_config(tiny_model, tmp_path, kind):
 
 
 def test_the_fallback_without_the_cpu_kernel_is_resolved_too(tiny_model, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    monkeypatch.setattr(cpu_kernels, "_error", "no C++ compiler found")
+    monkeypatch.setattr(build, "load", lambda: None)
+    monkeypatch.setattr(build, "_error", "no C++ compiler found")
     args = EngineArgs(model=tiny_model, **BASE)
     config = built_config(args)
     assert config.runner.attention_backend == "xla"

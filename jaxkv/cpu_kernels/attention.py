@@ -1,5 +1,6 @@
 """The CPU attention kernel: ragged paged attention as an XLA FFI custom call in C++
-(cpu_attention.cc) that reads K/V blocks in place from the pool.
+(attention.cc) that reads K/V blocks in place from the pool; the "cpu" attention backend
+(jaxkv.attention).
 
 On XLA:CPU any jnp formulation copies a step's K/V blocks out of the pool before it computes
 (XLA materializes the gather, since each key serves a whole query group), then runs small
@@ -14,8 +15,8 @@ ragged paged attention), against which it is tested. Pool element types: float32
 float16, and the one-byte types (int8, float8_e4m3fn, float8_e5m2) with their scales; q and
 the output in float32, bfloat16 or float16.
 
-Build and loading: jaxkv/cpu_kernels.py (`load()` and `build_error()` are imported here); an
-engine asked for "auto" uses the xla backend when the kernel cannot be built
+Build and loading: jaxkv/cpu_kernels/build.py (`load()` and `build_error()` are imported
+here); an engine asked for "auto" uses the xla backend when the kernel cannot be built
 (jaxkv/engine/setup.py).
 """
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cpu_kernels import build_error, load
+from jaxkv.cpu_kernels.build import build_error, load
 
 TARGET = "jaxkv_ragged_paged_attention"
 

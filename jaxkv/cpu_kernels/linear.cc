@@ -1,4 +1,4 @@
-// jaxkv's few-row matmul for the CPU: an XLA FFI custom call (see cpu_linear.py).
+// jaxkv's few-row matmul for the CPU: an XLA FFI custom call (see linear.py).
 //
 // y_m = x @ W_m for one input x float32 [T, K] (T small: a decode step's rows) and one or
 // more weights W_m float32, each [K, N_m] (a Flax kernel) or, with transposed = 1, [N_m, K]
@@ -6,7 +6,7 @@
 // read of the weights (a GEMV): XLA:CPU runs each such dot on one thread, ~14 GB/s on the
 // 2-core machine, where both cores read ~28 GB/s. Here the weights are cut into work items
 // shared by the calling thread and tasks on XLA's intra-op thread pool through one atomic
-// counter (as cpu_attention.cc), so every core streams its own part of the weights from
+// counter (work_sharing.h), so every core streams its own part of the weights from
 // memory once; several weights of one input (q/k/v, gate/up) go in one call, one set of items.
 //
 // The items follow the memory: a [K, N] weight's item is a chunk of kChunkRows consecutive
@@ -30,9 +30,9 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -101,7 +101,6 @@ struct Work {
   Weight weights[kMaxWeights];
   std::vector<Item> items;
   std::unique_ptr<Group[]> groups;
-  std::atomic<int64_t> next{0}, done{0};
 };
 
 // Partial sums of S chunks of a [K, N] weight, each of klen rows (klen = kChunkRows when S > 1;
@@ -262,20 +261,15 @@ void reduce_group(const Work& w, const Group& g) {
   }
 }
 
-void run_items(Work& w) {
-  const int64_t total = static_cast<int64_t>(w.items.size());
-  int64_t finished = 0;
-  for (int64_t i; (i = w.next.fetch_add(1, std::memory_order_relaxed)) < total; ++finished) {
-    const Item& it = w.items[i];
-    if (w.transposed) {
-      rows_block(w, w.weights[it.m], it.n0, it.len);
-    } else {
-      Group& g = w.groups[it.g];
-      chunk_item(w, g, it.k0, it.nch);
-      if (g.left.fetch_sub(it.nch, std::memory_order_acq_rel) == it.nch) reduce_group(w, g);
-    }
+void run_item(const Work& w, int64_t i) {
+  const Item& it = w.items[i];
+  if (w.transposed) {
+    rows_block(w, w.weights[it.m], it.n0, it.len);
+  } else {
+    Group& g = w.groups[it.g];
+    chunk_item(w, g, it.k0, it.nch);
+    if (g.left.fetch_sub(it.nch, std::memory_order_acq_rel) == it.nch) reduce_group(w, g);
   }
-  if (finished) w.done.fetch_add(finished, std::memory_order_acq_rel);
 }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
@@ -286,11 +280,11 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   const int64_t n_w = static_cast<int64_t>(ws.size());
   if (n_w < 1 || n_w > kMaxWeights || ys.size() != ws.size())
     return ffi::Error::InvalidArgument("cpu linear: 1-8 weights, one output each");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->rows = xd[0];
-  work->k = xd[1];
-  work->transposed = transposed != 0;
+  Work work{};
+  work.x = x.typed_data();
+  work.rows = xd[0];
+  work.k = xd[1];
+  work.transposed = transposed != 0;
   for (int64_t m = 0; m < n_w; ++m) {
     auto wm = ws.get<ffi::Buffer<ffi::F32>>(m);
     auto ym = ys.get<ffi::Buffer<ffi::F32>>(m);
@@ -299,75 +293,71 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     auto wd = wm->dimensions();
     auto yd = (*ym)->dimensions();
     if (wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("cpu linear: 2-D only");
-    const int64_t k = work->transposed ? wd[1] : wd[0], n = work->transposed ? wd[0] : wd[1];
-    if (k != work->k || yd[0] != work->rows || yd[1] != n)
+    const int64_t k = work.transposed ? wd[1] : wd[0], n = work.transposed ? wd[0] : wd[1];
+    if (k != work.k || yd[0] != work.rows || yd[1] != n)
       return ffi::Error::InvalidArgument("cpu linear: weight " + std::to_string(m) + " [" +
                                          std::to_string(wd[0]) + ", " + std::to_string(wd[1]) +
                                          "] or its output does not fit x [" +
-                                         std::to_string(work->rows) + ", " +
-                                         std::to_string(work->k) + "]");
+                                         std::to_string(work.rows) + ", " +
+                                         std::to_string(work.k) + "]");
     if (n >= (int64_t{1} << 31))
       return ffi::Error::InvalidArgument("cpu linear: a weight has 2^31 or more outputs");
-    work->weights[m] = {wm->typed_data(), (*ym)->typed_data(), n};
+    work.weights[m] = {wm->typed_data(), (*ym)->typed_data(), n};
   }
-  if (work->rows == 0 || work->k == 0) {  // nothing to read: zeros
+  if (work.rows == 0 || work.k == 0) {  // nothing to read: zeros
     for (int64_t m = 0; m < n_w; ++m)
-      std::memset(work->weights[m].y, 0, work->rows * work->weights[m].n * sizeof(float));
+      std::memset(work.weights[m].y, 0, work.rows * work.weights[m].n * sizeof(float));
     return ffi::Error::Success();
   }
-  if (work->transposed) {
+  if (work.transposed) {
     for (int64_t m = 0; m < n_w; ++m)
-      for (int64_t n0 = 0; n0 < work->weights[m].n; n0 += kBlockRows)
-        work->items.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n0),
-                               static_cast<int32_t>(std::min(kBlockRows, work->weights[m].n - n0)),
-                               -1, 0, 0});
+      for (int64_t n0 = 0; n0 < work.weights[m].n; n0 += kBlockRows)
+        work.items.push_back({static_cast<int32_t>(m), static_cast<int32_t>(n0),
+                              static_cast<int32_t>(std::min(kBlockRows, work.weights[m].n - n0)),
+                              -1, 0, 0});
   } else {
     // Column groups of near-equal width (a multiple of 16 where the weight allows), each cut
     // into chunks of K; their partial sums in this thread's scratch buffer.
     thread_local std::vector<float> scratch;
-    const int64_t chunks = (work->k + kChunkRows - 1) / kChunkRows;
+    const int64_t chunks = (work.k + kChunkRows - 1) / kChunkRows;
     int64_t n_groups = 0, floats = 0;
     int64_t group_n[kMaxWeights];
     for (int64_t m = 0; m < n_w; ++m) {
-      group_n[m] = (work->weights[m].n + kGroupCols - 1) / kGroupCols;
+      group_n[m] = (work.weights[m].n + kGroupCols - 1) / kGroupCols;
       n_groups += group_n[m];
-      floats += chunks * work->rows * work->weights[m].n;
+      floats += chunks * work.rows * work.weights[m].n;
     }
     if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
-    work->groups.reset(new Group[n_groups]);
+    work.groups.reset(new Group[n_groups]);
     float* part = scratch.data();
     int64_t gi = 0;
     for (int64_t m = 0; m < n_w; ++m) {
-      const int64_t n = work->weights[m].n;
+      const int64_t n = work.weights[m].n;
       if (n == 0) continue;  // nothing to compute (and no group to divide among)
       const int64_t width = ((n + group_n[m] - 1) / group_n[m] + 15) / 16 * 16;
       for (int64_t n0 = 0; n0 < n; n0 += width, ++gi) {
-        Group& g = work->groups[gi];
+        Group& g = work.groups[gi];
         g.m = static_cast<int32_t>(m);
         g.n0 = static_cast<int32_t>(n0);
         g.len = static_cast<int32_t>(std::min(width, n - n0));
         g.chunks = static_cast<int32_t>(chunks);
         g.part = part;
         g.left.store(static_cast<int32_t>(chunks), std::memory_order_relaxed);
-        part += chunks * work->rows * g.len;
+        part += chunks * work.rows * g.len;
         // Whole chunks in items of streams(rows) (the last ones, and a short last chunk,
         // alone).
-        const int64_t per = streams(work->rows), whole = work->k / kChunkRows;
+        const int64_t per = streams(work.rows), whole = work.k / kChunkRows;
         for (int64_t c = 0; c < chunks;) {
           const int64_t nch = c + per <= whole ? per : 1;
-          work->items.push_back({static_cast<int32_t>(m), 0, 0, static_cast<int32_t>(gi),
-                                 static_cast<int32_t>(c * kChunkRows), static_cast<int32_t>(nch)});
+          work.items.push_back({static_cast<int32_t>(m), 0, 0, static_cast<int32_t>(gi),
+                                static_cast<int32_t>(c * kChunkRows), static_cast<int32_t>(nch)});
           c += nch;
         }
       }
     }
   }
-  const int64_t total = static_cast<int64_t>(work->items.size());
-  const int64_t helpers =
-      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1) - 1, total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_items(*work); });
-  run_items(*work);
-  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  jaxkv::RunShared(pool, static_cast<int64_t>(work.items.size()),
+                   [&work](int64_t i) { run_item(work, i); });
   return ffi::Error::Success();
 }
 

@@ -1,4 +1,4 @@
-// jaxkv's matmul of a few dozen rows for the CPU: an XLA FFI custom call (see cpu_linear.py).
+// jaxkv's matmul of a few dozen rows for the CPU: an XLA FFI custom call (see linear.py).
 //
 // y_m = x @ W_m for one input x float32 [T, K] (17 <= T <= 128: a decode step of 17 to 64
 // sequences, or a step of up to 128 tokens) and one to eight weights W_m float32 [K, N_m] (Flax kernels). XLA:CPU's dots
@@ -26,15 +26,13 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -186,7 +184,6 @@ struct Work {
   float* y[kMaxWeights];
   int64_t n[kMaxWeights];
   int64_t strips = 0, shares = 1;
-  std::atomic<int64_t> next{0}, done{0};
 };
 
 // Share s of the strips (all weights' strips in order, kStrip columns each, a weight's last
@@ -212,13 +209,6 @@ void run_share(const Work& w, int64_t s) {
     run_block(w.x, w.k, w.rows, blocks[i], i + 1 < blocks.size() ? &blocks[i + 1] : nullptr);
 }
 
-void run_shares(Work& w) {
-  int64_t ran = 0;
-  for (int64_t s; (s = w.next.fetch_add(1, std::memory_order_relaxed)) < w.shares; ++ran)
-    run_share(w, s);
-  if (ran) w.done.fetch_add(ran, std::memory_order_acq_rel);
-}
-
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                     ffi::RemainingRets ys) {
   auto xd = x.dimensions();
@@ -227,11 +217,11 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remainin
   const int64_t n_w = static_cast<int64_t>(ws.size());
   if (n_w < 1 || n_w > kMaxWeights || ys.size() != ws.size())
     return ffi::Error::InvalidArgument("cpu gemm: 1-8 weights, one output each");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->rows = xd[0];
-  work->k = xd[1];
-  work->n_w = n_w;
+  Work work{};
+  work.x = x.typed_data();
+  work.rows = xd[0];
+  work.k = xd[1];
+  work.n_w = n_w;
   for (int64_t m = 0; m < n_w; ++m) {
     auto wm = ws.get<ffi::Buffer<ffi::F32>>(m);
     auto ym = ys.get<ffi::Buffer<ffi::F32>>(m);
@@ -239,27 +229,26 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remainin
       return ffi::Error::InvalidArgument("cpu gemm: weights and outputs must be float32");
     auto wd = wm->dimensions();
     auto yd = (*ym)->dimensions();
-    if (wd.size() != 2 || yd.size() != 2 || wd[0] != work->k || yd[0] != work->rows ||
+    if (wd.size() != 2 || yd.size() != 2 || wd[0] != work.k || yd[0] != work.rows ||
         yd[1] != wd[1])
       return ffi::Error::InvalidArgument("cpu gemm: weight " + std::to_string(m) +
                                          " or its output does not fit x [" +
-                                         std::to_string(work->rows) + ", " +
-                                         std::to_string(work->k) + "]");
-    work->w[m] = wm->typed_data();
-    work->y[m] = (*ym)->typed_data();
-    work->n[m] = wd[1];
-    work->strips += (wd[1] + kStrip - 1) / kStrip;
+                                         std::to_string(work.rows) + ", " +
+                                         std::to_string(work.k) + "]");
+    work.w[m] = wm->typed_data();
+    work.y[m] = (*ym)->typed_data();
+    work.n[m] = wd[1];
+    work.strips += (wd[1] + kStrip - 1) / kStrip;
   }
-  if (work->k == 0) {  // nothing to sum: zeros
+  if (work.k == 0) {  // nothing to sum: zeros
     for (int64_t m = 0; m < n_w; ++m)
-      std::memset(work->y[m], 0, work->rows * work->n[m] * sizeof(float));
+      std::memset(work.y[m], 0, work.rows * work.n[m] * sizeof(float));
     return ffi::Error::Success();
   }
+  // One share per thread: RunShared schedules shares - 1 helper tasks (shares <= threads).
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  work->shares = std::max<int64_t>(1, std::min<int64_t>(threads, work->strips));
-  for (int64_t i = 1; i < work->shares; ++i) pool.Schedule([work] { run_shares(*work); });
-  run_shares(*work);
-  while (work->done.load(std::memory_order_acquire) < work->shares) std::this_thread::yield();
+  work.shares = std::max<int64_t>(1, std::min<int64_t>(threads, work.strips));
+  jaxkv::RunShared(pool, work.shares, [&work](int64_t s) { run_share(work, s); });
   return ffi::Error::Success();
 }
 

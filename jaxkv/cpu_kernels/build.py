@@ -1,15 +1,15 @@
 """Build and load jaxkv's C++ kernels for XLA:CPU (XLA FFI custom calls): the ragged paged
-attention (jaxkv/attention/cpu_attention.cc), the few-row matmul (jaxkv/models/cpu_linear.cc),
-the matmul of 17-128 rows (jaxkv/models/cpu_gemm.cc) and the greedy argmax
-(jaxkv/runner/cpu_argmax.cc), compiled together into one library.
+attention (attention.cc), the few-row matmul (linear.cc), the matmul of 17-128 rows (gemm.cc)
+and the greedy argmax (argmax.cc), the sources next to this file, compiled together into one
+library; the work sharing over XLA's thread pool that they all use is work_sharing.h.
 
 Build: the sources are compiled once per machine with the system's C++ compiler (g++ or
 $CXX; -O3 -march=native, against jaxlib's FFI headers, `jax.ffi.include_dir()`) into
 ~/.cache/jaxkv/kernels (JAXKV_KERNEL_CACHE=<dir> moves it; the temporary folder when that
-cannot be written), keyed by the sources, jaxlib's version, the compiler and the CPU, written
-atomically, and loaded with ctypes: about 10 s the first time. `load()` returns None and
-`build_error()` says why when no compiler is there or it fails; an engine asked for "auto"
-then uses the xla backend (jaxkv/engine/setup.py).
+cannot be written), keyed by the sources and headers, jaxlib's version, the compiler and the
+CPU, written atomically, and loaded with ctypes: about 10 s the first time. `load()` returns
+None and `build_error()` says why when no compiler is there or it fails; an engine asked for
+"auto" then uses the xla backend (jaxkv/engine/setup.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 import jax
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "attention" / "cpu_attention.cc", _HERE / "models" / "cpu_linear.cc",
-           _HERE / "models" / "cpu_gemm.cc", _HERE / "runner" / "cpu_argmax.cc")
+SOURCES = tuple(_HERE / name for name in ("attention.cc", "linear.cc", "gemm.cc", "argmax.cc"))
+HEADERS = (_HERE / "work_sharing.h",)  # #include "work_sharing.h": found next to the sources
 # XLA FFI target name -> the library's handler symbol
 TARGETS = {"jaxkv_ragged_paged_attention": "JaxkvRaggedPagedAttention",
            "jaxkv_linear": "JaxkvLinear", "jaxkv_gemm": "JaxkvGemm", "jaxkv_argmax": "JaxkvArgmax"}
@@ -65,17 +65,20 @@ def _compiler() -> list[str] | None:
     return [found] if found else None
 
 
-def _build(cxx: list[str], sources=None) -> Path:
+def _build(cxx: list[str], sources=None, headers=None) -> Path:
     """Compile `sources` (default SOURCES) into one library (or reuse a build with the same
-    key); returns the library's path. Raises RuntimeError with the compiler's message."""
+    key: the text of the sources and of `headers`, default HEADERS, among the rest); returns
+    the library's path. Raises RuntimeError with the compiler's message."""
     import jaxlib
     sources = SOURCES if sources is None else sources
+    headers = HEADERS if headers is None else headers
     try:
         version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
     except OSError as e:
         raise RuntimeError(f"cannot run {' '.join(cxx)}: {e}") from e
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in sources), jaxlib.__version__,
-                                    version, " ".join(FLAGS), _cpu_identity()]).encode())
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in (*sources, *headers)),
+                                    jaxlib.__version__, version, " ".join(FLAGS),
+                                    _cpu_identity()]).encode())
     name = f"jaxkv_kernels-{key.hexdigest()[:16]}.so"
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / "jaxkv-kernels"):
         lib = folder / name

@@ -1,4 +1,5 @@
-// jaxkv's greedy argmax for the CPU: an XLA FFI custom call (see sampler.argmax_tokens).
+// jaxkv's greedy argmax for the CPU: an XLA FFI custom call (see argmax.py;
+// sampler.argmax_tokens calls it).
 //
 // tokens[r] = the first index of the largest of logits[r, :], float32 [R, V] -> int32 [R],
 // exactly as jnp.argmax: -0.0 equals 0.0, a NaN counts as the largest and the first NaN wins.
@@ -6,16 +7,13 @@
 // +inf), and one pass over the row keeps, per SIMD lane, the largest key and its first index;
 // the lanes are then combined (the largest key, the smallest index among lanes holding it).
 // XLA:CPU computes the same in several passes over a materialized [R, V] int32 key array (2.4-
-// 3.7 ms for 64 x 49152 logits on the 2-core Xeon); here rows are shared by the calling thread
-// and tasks on XLA's intra-op thread pool through one atomic counter (as cpu_attention.cc).
+// 3.7 ms for 64 x 49152 logits on the 2-core Xeon); here a row is an item shared by the
+// calling thread and tasks on XLA's intra-op thread pool (work_sharing.h).
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,20 +68,6 @@ int32_t row_argmax(const float* x, int64_t v) {
   return first;
 }
 
-struct Work {
-  const float* x = nullptr;
-  int32_t* y = nullptr;
-  int64_t rows = 0, v = 0;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-void run_rows(Work& w) {
-  int64_t finished = 0;
-  for (int64_t r; (r = w.next.fetch_add(1, std::memory_order_relaxed)) < w.rows; ++finished)
-    w.y[r] = row_argmax(w.x + r * w.v, w.v);
-  if (finished) w.done.fetch_add(finished, std::memory_order_acq_rel);
-}
-
 ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::ResultBuffer<ffi::S32> y) {
   auto d = x.dimensions();
@@ -91,17 +75,10 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("cpu argmax: logits must be [R, V] with 1 <= V < 2^31");
   if (y->dimensions().size() != 1 || y->dimensions()[0] != d[0])
     return ffi::Error::InvalidArgument("cpu argmax: the output must be [R]");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->y = y->typed_data();
-  work->rows = d[0];
-  work->v = d[1];
-  if (work->rows == 0) return ffi::Error::Success();
-  const int64_t helpers =
-      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1) - 1, work->rows - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_rows(*work); });
-  run_rows(*work);
-  while (work->done.load(std::memory_order_acquire) < work->rows) std::this_thread::yield();
+  const float* xs = x.typed_data();
+  int32_t* ys = y->typed_data();
+  const int64_t v = d[1];
+  jaxkv::RunShared(pool, d[0], [xs, ys, v](int64_t r) { ys[r] = row_argmax(xs + r * v, v); });
   return ffi::Error::Success();
 }
 

@@ -1,19 +1,18 @@
-"""The C++ ragged paged attention (jaxkv/attention/cpu_attention.py, the "cpu" backend)
+"""The C++ ragged paged attention (jaxkv/cpu_kernels/attention.py, the "cpu" backend)
 against plain causal attention (test_xla_ragged's cases: decodes, prefill chunks, mixed steps,
 padding) and against the oracle on pools written by kv_pool.write_kv in every pool dtype
 (float32, bfloat16 and float8 held as bits, float16, int8 with scales), q in float32,
 bfloat16 and float16, head sizes on and off the vector paths, contexts split over both
-threads; bad metadata is an error, not a wild read; the build is cached and its failure
-reported."""
+threads; bad metadata is an error, not a wild read. (The build: test_build.py.)"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import cpu_kernels
-from jaxkv.attention import cpu_attention, get_attention
+from jaxkv.attention import get_attention
 from jaxkv.attention.kv_pool import new_kv_pool, write_kv
+from jaxkv.cpu_kernels import attention as cpu_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.attention.test_xla_ragged import CASES, make_case
 
@@ -160,50 +159,6 @@ def test_backend_is_registered_and_bad_names_refused():
             jnp.zeros((2, 4, 1, 8), jnp.int16), jnp.zeros((1, 1), jnp.int32),
             jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32), jnp.ones((1,), jnp.int32),
             scale=1.0)
-
-
-def test_build_is_cached_and_failure_is_reported(tmp_path, monkeypatch):
-    """A second build with the same key reuses the library; a compiler that fails gives its
-    message, and no half-written library is left behind."""
-    cxx = cpu_kernels._compiler()
-    monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(tmp_path))
-    first = cpu_kernels._build(cxx)
-    stamp = first.stat().st_mtime_ns
-    assert cpu_kernels._build(cxx) == first and first.stat().st_mtime_ns == stamp
-    bad = tmp_path / "bad.cc"
-    bad.write_text("this is not C++\n")
-    with pytest.raises(RuntimeError, match=r"failed \(exit status 1\): .*bad.cc"):
-        cpu_kernels._build(cxx, (cpu_kernels.SOURCES[0], bad))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "bad.cc"])
-
-
-def test_compiler_command(monkeypatch):
-    monkeypatch.setenv("CXX", "ccache g++ -Wno-foo")
-    assert cpu_kernels._compiler() == ["ccache", "g++", "-Wno-foo"]
-    monkeypatch.delenv("CXX")
-    assert cpu_kernels._compiler()[0].endswith(("g++", "c++"))
-
-
-def test_engine_refuses_cpu_backend_where_it_cannot_run(monkeypatch, caplog):
-    """Explicit "cpu" off a CPU, or with replicated KV heads under tensor parallelism, is a
-    ValueError; "auto" falls back to xla with a warning when the kernel cannot be built."""
-    from types import SimpleNamespace
-
-    from jaxkv.engine_config import resolve_backend
-    mc = SimpleNamespace(num_kv_heads=3)
-    check = cpu_kernels.unavailable
-    with pytest.raises(ValueError, match="CPU only, not on gpu"):
-        resolve_backend("cpu", "gpu", mc, 1, check)
-    with pytest.raises(ValueError, match=r"KV heads \(3\)"):
-        resolve_backend("cpu", "cpu", mc, 4, check)
-    assert resolve_backend("auto", "cpu", mc, 4, check) == "xla"
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    monkeypatch.setattr(cpu_kernels, "_error", "no C++ compiler found")
-    with pytest.raises(ValueError, match="cannot be built: no C\\+\\+ compiler"):
-        resolve_backend("cpu", "cpu", mc, 1, check)
-    with caplog.at_level("WARNING", logger="jaxkv"):
-        assert resolve_backend("auto", "cpu", mc, 1, check) == "xla"
-    assert "using the xla attention backend" in caplog.text
 
 
 @pytest.mark.parametrize("group", [3, 8, 16])

@@ -2,15 +2,16 @@
 
 A step of a few rows (a decode of a few sequences; the sampler's LM head on its rows) only
 reads the weights: on XLA:CPU each such dot runs on one thread (~14 GB/s on the 2-core
-machine) where the streaming kernel (cpu_linear.cc) reads every weight from memory once with
+machine) where the streaming kernel (linear.cc) reads every weight from memory once with
 all cores, in contiguous chunks of rows, several side by side for one to four rows (~26-29
 GB/s; a chunk is read again from cache for each further group of 4 rows, 2 when transposed),
 and one call takes the several weights of one input (q/k/v, gate/up). From 17 to 128 rows
 (a decode of 17-64 sequences, a step of up to 128 tokens) the product is compute: the GEMM
-kernel (cpu_gemm.cc) keeps 8 rows x 48 columns of sums in registers over blocks of the weight
+kernel (gemm.cc) keeps 8 rows x 48 columns of sums in registers over blocks of the weight
 held in L1, prefetching the next, the columns shared among the cores. The model uses them
 (LlamaModel.cpu_matmul) for float32 weights, steps of at most MAX_ROWS rows, without tensor
-parallelism; everything else stays an XLA dot. Built and loaded with the attention kernel (jaxkv/cpu_kernels.py).
+parallelism; everything else stays an XLA dot. Built and loaded with the attention kernel
+(jaxkv/cpu_kernels/build.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cpu_kernels import build_error, load
+from jaxkv.cpu_kernels.build import build_error, load
 
 TARGET = "jaxkv_linear"  # the streaming kernel: 1 to STREAM_MAX_ROWS rows, or transposed
 GEMM_TARGET = "jaxkv_gemm"  # the GEMM kernel: STREAM_MAX_ROWS + 1 to MAX_ROWS rows
@@ -27,7 +28,7 @@ STREAM_MAX_ROWS = 16  # from 9 to 16 rows the 30 layers' matmuls of SmolLM2 take
 # against XLA's 44-46 on the 2-core Xeon
 MAX_ROWS = 128  # the model's threshold: every row count the kernels take
 MAX_ROWS_TRANSPOSED = 4  # the LM head's: from 8 rows XLA's dot reads the table as fast
-CHUNK_ROWS = 64  # rows of a [K, N] weight per work item (cpu_linear.cc's kChunkRows)
+CHUNK_ROWS = 64  # rows of a [K, N] weight per work item (linear.cc's kChunkRows)
 # The partial sums of a [K, N] call, ceil(K / CHUNK_ROWS) x T x sum(N) float32, live in a
 # scratch buffer of the calling thread that is kept for its next call; calls that would need
 # more are refused (an untied LM head of a large vocabulary at 16 rows: XLA's dot runs it).

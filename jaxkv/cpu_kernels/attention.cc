@@ -1,4 +1,4 @@
-// jaxkv's CPU ragged paged attention: an XLA FFI custom call (see cpu_attention.py).
+// jaxkv's CPU ragged paged attention: an XLA FFI custom call (see attention.py).
 //
 // Semantics are those of pallas_kernels/reference.py (vLLM's ragged paged attention): the
 // query rows of sequence s are rows query_start_loc[s] .. query_start_loc[s+1]-1, the last
@@ -13,8 +13,8 @@
 // over the tile's keys in SIMD lanes, then an online softmax (Milakov & Gimelshein 2018) and
 // acc += P V with D in the lanes. Every K/V row is read once per item, for all its rows and
 // query heads. Items are shared by the calling thread and tasks on XLA's intra-op thread pool
-// through one atomic counter; tasks that start after the work is gone return at once (they
-// hold only the shared state).
+// (work_sharing.h: one atomic counter; tasks that start after the work is gone return at once,
+// holding only the shared counters).
 //
 // Pool element types (attribute kind): 0 float32; 1 bfloat16 held as uint16 bits;
 // 2 float16; 3 one byte (int8 / float8 bits) decoded through a 256-entry float32 table (lut)
@@ -22,14 +22,12 @@
 // Kinds 0-2 ignore lut and the scales (1-element dummies).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -661,21 +659,14 @@ void attend_item(const Args& a, const Item& it) {
 struct Work {
   Args args;
   std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
 
-void run_items(Work& w) {
-  const int64_t total = static_cast<int64_t>(w.items.size());
-  int64_t finished = 0;
-  for (int64_t i; (i = w.next.fetch_add(1, std::memory_order_relaxed)) < total; ++finished) {
-    switch (w.args.head_dim) {
-      case 64: attend_item<64>(w.args, w.items[i]); break;
-      case 128: attend_item<128>(w.args, w.items[i]); break;
-      default: attend_item<0>(w.args, w.items[i]);
-    }
+void run_item(const Work& w, int64_t i) {
+  switch (w.args.head_dim) {
+    case 64: attend_item<64>(w.args, w.items[i]); break;
+    case 128: attend_item<128>(w.args, w.items[i]); break;
+    default: attend_item<0>(w.args, w.items[i]);
   }
-  if (finished) w.done.fetch_add(finished, std::memory_order_acq_rel);
 }
 
 // Whether a pool array of this element type holds what `kind` says it does.
@@ -752,8 +743,8 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return ffi::Error::InvalidArgument("cpu attention: a one-byte pool needs [L, blocks, "
                                        "block_size, kv_heads] scales and a 256-entry table");
 
-  auto work = std::make_shared<Work>();
-  work->args = a;
+  Work work{};
+  work.args = a;
   // Up to kMaxQRows query rows x query heads per item: a sequence's rows in runs of
   // kMaxQRows / G for one KV head each, or, for a sequence with fewer rows (a decode), all of
   // them with as many KV heads as fit (a block's rows of those heads are contiguous).
@@ -790,20 +781,17 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
       const int64_t rows = std::min(rows_per_item, end - r);
       const bool keys = !(heads == 1 && rows * a.group >= kRowsPathMin);
       for (int64_t kh = 0; kh < a.kv_heads; kh += nh)
-        work->items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(r),
-                               static_cast<int32_t>(rows), static_cast<int32_t>(kh),
-                               static_cast<int32_t>(std::min(nh, a.kv_heads - kh)), keys});
+        work.items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(r),
+                              static_cast<int32_t>(rows), static_cast<int32_t>(kh),
+                              static_cast<int32_t>(std::min(nh, a.kv_heads - kh)), keys});
     }
   }
   // Rows past the last real sequence are zeros.
   const int64_t elem = a.q_kind == 0 ? 4 : 2;
   std::memset(static_cast<char*>(a.out) + real_rows * H * a.head_dim * elem, 0,
               (T - real_rows) * H * a.head_dim * elem);
-  const int64_t total = static_cast<int64_t>(work->items.size());
-  const int64_t helpers = std::min<int64_t>(threads - 1, total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_items(*work); });
-  run_items(*work);
-  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  jaxkv::RunShared(pool, static_cast<int64_t>(work.items.size()),
+                   [&work](int64_t i) { run_item(work, i); });
   return ffi::Error::Success();
 }
 

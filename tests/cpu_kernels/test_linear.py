@@ -1,4 +1,4 @@
-"""The C++ matmuls of a decode step's rows (jaxkv/models/cpu_linear.py) against float64 numpy
+"""The C++ matmuls of a decode step's rows (jaxkv/cpu_kernels/linear.py) against float64 numpy
 products. The streaming kernel: every row count it takes (1-16), sizes on and off its 16-lane vectors, 4-row steps, 64-row chunks
 and 1024-column groups (2500 columns: three groups, the last with a scalar tail), several weights
 in one call, the transposed (embedding) layout; a row's result does not depend on the other
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.models import cpu_linear
+from jaxkv.cpu_kernels import linear as cpu_linear
 
 MATMUL = jax.jit(cpu_linear.matmul, static_argnames=("transposed",))
 
@@ -94,7 +94,7 @@ def test_transposed_matches_float64_product(rows, n, k):
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_row_does_not_depend_on_the_other_rows(transposed):
     # K = 300: four whole 64-row chunks and a short one, so one and two rows read several
-    # chunks side by side (cpu_linear.cc's chunks_rows) where 8 rows read them one at a time;
+    # chunks side by side (linear.cc's chunks_rows) where 8 rows read them one at a time;
     # 300 table rows: a 256-row block read in quarters side by side, and a 44-row one.
     rng = np.random.default_rng(7)
     w = jnp.asarray(rng.standard_normal((300, 300) if transposed else (300, 260)), jnp.float32)
