@@ -22,6 +22,8 @@ from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeR
 from serve.protocol_responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
                                      KVCacheSnapshot, ModelCard, ModelList, TokenizeResponse,
                                      TokenizerInfoResponse, VersionResponse)
+from serve.responses import create_response
+from serve.responses_protocol import ResponseObject, ResponsesRequest
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 DASHBOARD_HTML = (pathlib.Path(__file__).parent / "static" / "dashboard.html").read_text(encoding="utf-8")
@@ -132,6 +134,20 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat(req: ChatCompletionRequest, raw: Request):
         _ready_engine(ctx)
         return await create_chat_completion(req, ctx, raw)
+
+    @app.post("/v1/responses", responses={**ok(ResponseObject, SSE), **errors(400, 401, 404, 503)})
+    async def responses(req: ResponsesRequest, raw: Request):
+        """OpenAI's Responses API (serve/responses.py)."""
+        _ready_engine(ctx)
+        return await create_response(req, ctx, raw)
+
+    @app.get("/v1/responses/{response_id}", responses={**ok(ResponseObject), **errors(401, 404)})
+    async def get_response(response_id: str):
+        """A stored response (the store is off unless --enable-responses-api-store)."""
+        found = ctx.response_store.get(response_id) if ctx.response_store is not None else None
+        if found is None:
+            raise APIError(f"Response with id '{response_id}' not found.", 404, "response_id")
+        return found[0]
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:

@@ -24,6 +24,7 @@ class ServerContext:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     tool_call_parser: str | None = None    # --tool-call-parser (serve/tool_parsers.py)
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint
+    response_store: object | None = None  # serve.response_store.ResponseStore when it is on
 
     @property
     def ready(self) -> bool:

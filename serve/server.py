@@ -88,6 +88,7 @@ def _server_context(ns, args):
     flags or tokenizer path."""
     from jaxkv.chat_utils import load_chat_template
     from serve.context import ServerContext
+    from serve.response_store import ResponseStore, store_enabled
     from serve.tool_parsers import TOOL_CALL_PARSERS
 
     chat_template = load_chat_template(ns.chat_template)  # a bad path fails here, in one line
@@ -100,6 +101,8 @@ def _server_context(ns, args):
                          chat_template=chat_template, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                          tool_call_parser=ns.tool_call_parser,
                          enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
+                         response_store=(ResponseStore() if store_enabled(ns.enable_responses_api_store)
+                                         else None),
                          model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
                          created=int(time.time()))
 
@@ -152,6 +155,10 @@ def add_serve_parser(sub) -> None:
                    help="prefix of the /metrics series names (default: jaxkv; vllm gives vLLM's "
                    "own names, for routers that read them)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    s.add_argument("--enable-responses-api-store", action="store_true",
+                   help="keep finished /v1/responses responses (the newest 1000, 64 MiB in all) "
+                   "for GET /v1/responses/{id} and previous_response_id (also "
+                   "VLLM_ENABLE_RESPONSES_API_STORE=1; off by default, as in vLLM)")
     s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration, chat template "
                    "included; off by default, as in vLLM, since a template may be private)")
