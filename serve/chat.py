@@ -25,6 +25,8 @@ from serve.protocol_responses import (ChatCompletionLogProb, ChatCompletionLogPr
 from serve.response_format import relabel, request_constraint
 from serve.tools import ToolOutput, template_tools, tool_constraint, tool_mode
 from serve.streams import RequestBatch, SSEResponse, check_unsupported, collect_or_abort, sse_events
+from serve.reasoning_parsers import ReasoningSplitter
+from serve.reasoning_parsers import split as reasoning_split
 from serve.usage import UsageAccumulator, continuous_usage
 
 
@@ -110,16 +112,18 @@ def _prepare(req: ChatCompletionRequest, ctx: ServerContext) -> "_ChatRun":
         batch.add([prompt], params)
     except APIError as e:
         raise relabel(e, field) from e
-    return _ChatRun(req, ctx, mode, k, role, echo, batch)
+    return _ChatRun(req, ctx, mode, k, role, echo, batch, constrained=constraint is not None)
 
 
 class _ChatRun:
     """A queued chat completion: its stream of chunks, or its collected response."""
 
     def __init__(self, req, ctx, mode: str, k: int | None, role: str, echo: str,
-                 batch: RequestBatch):
+                 batch: RequestBatch, constrained: bool = False):
         self.req, self.ctx, self.mode, self.k = req, ctx, mode, k  # k: top logprobs, or None
         self.role, self.echo, self.batch = role, echo, batch
+        self.constrained = constrained  # a grammar shapes the output (structured outputs, tools)
+        self.reasoning = {}  # choice index -> its ReasoningSplitter (with --reasoning-parser)
         self.rid, self.created = batch.base_id, int(time.time())
         self.usage = UsageAccumulator(continuous_usage(req))
         self.tools = {}  # choice index -> ToolOutput (tool calls parsed from its text)
@@ -160,14 +164,30 @@ class _ChatRun:
         if self.req.stream_options and self.req.stream_options.include_usage:
             yield self.chunk([], self.usage.info())
 
+    def splitter(self, index: int) -> ReasoningSplitter | None:
+        """Choice `index`'s reasoning splitter (None without --reasoning-parser)."""
+        if self.ctx.reasoning_parser is None:
+            return None
+        if index not in self.reasoning:
+            self.reasoning[index] = ReasoningSplitter(self.ctx.reasoning_parser, self.constrained)
+        return self.reasoning[index]
+
     def _choice_chunks(self, c) -> list[ChatCompletionStreamResponse]:
-        """The chunks of one step's output of choice c (content or tool-call deltas, and the
-        finish chunk when it ends)."""
+        """The chunks of one step's output of choice c (reasoning, content or tool-call
+        deltas, and the finish chunk when it ends)."""
         out, lp, shaper = [], self.lp_block(c), self.tool_output(c.index)
+        thinking, text = "", c.text
+        split = self.splitter(c.index)
+        if split is not None:
+            thinking, text = split.feed(c.text)
+            if c.finish_reason is not None:
+                more = split.flush()
+                thinking, text = thinking + more[0], text + more[1]
+        deltas = [DeltaMessage(reasoning_content=thinking)] if thinking else []
         if shaper is None:
-            deltas = [DeltaMessage(content=c.text)] if c.text else []
+            deltas += [DeltaMessage(content=text)] if text else []
         else:
-            deltas = shaper.deltas(c.text)
+            deltas += shaper.deltas(text)
         if not deltas and lp is not None and lp.content:
             deltas = [DeltaMessage()]  # the logprobs of text held back
         out += [self.one(c.index, d, lp if j == 0 else None) for j, d in enumerate(deltas)]
@@ -195,11 +215,18 @@ class _ChatRun:
                     ch.logprobs.content += self.lp_block(c).content
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         for i, ch in choices.items():
+            if self.ctx.reasoning_parser is not None:  # the <think> block apart, before tools
+                gen = ch.message.content[len(echo):]
+                ch.message.reasoning_content, content = reasoning_split(
+                    self.ctx.reasoning_parser, gen, self.constrained)
+                ch.message.content = echo + (content or "")
             shaper = self.tool_output(i)
             if shaper is not None:  # the generated text (after the echo) holds the calls
                 content, ch.message.tool_calls, ch.finish_reason = shaper.message(
                     ch.message.content[len(echo):], ch.finish_reason)
                 ch.message.content = echo + content if content is not None else (echo or None)
+            if ch.message.reasoning_content and not ch.message.content:
+                ch.message.content = None  # all of it was reasoning (vLLM: content null)
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.ctx.model_name,
                                       usage=self.usage.info(),
                                       choices=[choices[i] for i in sorted(choices)]).model_dump()

@@ -25,6 +25,7 @@ class ServerContext:
     tool_call_parser: str | None = None    # --tool-call-parser (serve/tool_parsers.py)
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint
     response_store: object | None = None  # serve.response_store.ResponseStore when it is on
+    reasoning_parser: str | None = None  # --reasoning-parser (serve/reasoning_parsers.py)
 
     @property
     def ready(self) -> bool:

@@ -144,8 +144,11 @@ class DeltaToolCall(OpenAIResponse):
 class ChatMessage(OpenAIResponse):
     """The generated message (with echo, the last request message's content first), and the
     tool calls parsed from it (empty unless the request offered tools)."""
+    _omit_none = ("reasoning_content",)
     role: str
     content: str | None = None
+    # --reasoning-parser: the <think> block apart from the answer (serve/reasoning_parsers.py)
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = []
 
 
@@ -168,9 +171,10 @@ class ChatCompletionResponse(OpenAIResponse):
 
 class DeltaMessage(OpenAIResponse):
     """What a stream chunk adds to a message; unset fields are left out ({} carries none)."""
-    _omit_none = ("role", "content", "tool_calls")
+    _omit_none = ("role", "content", "reasoning_content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -23,7 +23,7 @@ from serve.context import ServerContext
 from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest
 from serve.responses_protocol import (LOGPROBS_INCLUDE, ResponsesRequest, function_call_item,
-                                      message_item, new_id, responses_logprobs)
+                                      message_item, new_id, reasoning_item, responses_logprobs)
 from serve.responses_stream import ResponsesSSE, response_events
 from serve.streams import collect_or_abort
 
@@ -205,12 +205,12 @@ def _output_text(output, i: int) -> str:
 
 
 def chat_output_items(choice: dict) -> list[dict]:
-    """A collected chat choice's message as output items: the text (when there is some, or
-    no tool call), then each tool call."""
+    """A collected chat choice's message as output items: its reasoning (with
+    --reasoning-parser), the text (when there is some, or no tool call), then each tool call."""
     msg, status = choice["message"], "incomplete" if choice["finish_reason"] == "length" else "completed"
     calls = msg.get("tool_calls") or []
     lp = choice.get("logprobs")
-    items = []
+    items = [reasoning_item(msg["reasoning_content"])] if msg.get("reasoning_content") else []
     if msg.get("content") or not calls:
         items.append(message_item(msg.get("content") or "", status,
                                   responses_logprobs(lp["content"]) if lp else None))

@@ -115,3 +115,9 @@ def responses_logprobs(content) -> list[dict]:
     return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
              "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
                               for t in e["top_logprobs"]]} for e in content or []]
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """A reasoning item (--reasoning-parser): the <think> block's text as reasoning_text."""
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}

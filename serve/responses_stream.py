@@ -20,7 +20,8 @@ import json
 from fastapi.responses import StreamingResponse
 
 from jaxkv.engine.async_llm import EngineDeadError
-from serve.responses_protocol import function_call_item, message_item, new_id, responses_logprobs
+from serve.responses_protocol import (function_call_item, message_item, new_id, reasoning_item,
+                                      responses_logprobs)
 
 
 class ResponsesSSE(StreamingResponse):
@@ -57,6 +58,7 @@ class _Events:
         self.run, self.seq = run, 0
         self.output: list[dict] = []      # finished items
         self.text: dict | None = None      # the open message: {"id", "index", "text", "logprobs"}
+        self.thought: dict | None = None   # the open reasoning item: {"id", "index", "text"}
         self.calls: dict[int, dict] = {}   # chat tool-call index -> the open function_call
         self.finish = None
         self.want_lp = run.chat.k is not None
@@ -75,7 +77,8 @@ class _Events:
                     yield e
         for e in self.close_all():
             yield e
-        if not self.output:  # nothing generated at all: an empty message, as the collected one
+        if not any(it["type"] != "reasoning" for it in self.output):  # no answer: an empty
+            # message, as the collected response has
             for e in self.open_text() + self.close_text():
                 yield e
         resp = self.run.finish(self.output, self.finish, self.run.chat.usage.info().model_dump())
@@ -84,6 +87,10 @@ class _Events:
     def delta(self, ch) -> list[dict]:
         out = []
         d = ch.delta
+        if d.reasoning_content:
+            out += self.reasoning_delta(d.reasoning_content)
+        if (d.content or d.tool_calls) and self.thought is not None:
+            out += self.close_thought()
         if d.content:
             if self.text is None:
                 out += self.close_calls() + self.open_text()
@@ -151,5 +158,26 @@ class _Events:
         self.calls = {}
         return out
 
+    def reasoning_delta(self, text: str) -> list[dict]:
+        out = []
+        if self.thought is None:
+            self.thought = {"id": new_id("rs"), "index": len(self.output), "text": ""}
+            item = {**reasoning_item("", "in_progress", self.thought["id"]), "content": []}
+            out.append(self.ev("response.output_item.added", output_index=self.thought["index"],
+                               item=item))
+        self.thought["text"] += text
+        out.append(self.ev("response.reasoning_text.delta", item_id=self.thought["id"],
+                           output_index=self.thought["index"], content_index=0, delta=text))
+        return out
+
+    def close_thought(self) -> list[dict]:
+        t, self.thought = self.thought, None
+        item = reasoning_item(t["text"], "completed", t["id"])
+        self.output.append(item)
+        return [self.ev("response.reasoning_text.done", item_id=t["id"], output_index=t["index"],
+                        content_index=0, text=t["text"]),
+                self.ev("response.output_item.done", output_index=t["index"], item=item)]
+
     def close_all(self) -> list[dict]:
-        return (self.close_text() if self.text is not None else []) + self.close_calls()
+        return ((self.close_thought() if self.thought is not None else [])
+                + (self.close_text() if self.text is not None else []) + self.close_calls())

@@ -101,6 +101,7 @@ def _server_context(ns, args):
                          chat_template=chat_template, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                          tool_call_parser=ns.tool_call_parser,
                          enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
+                         reasoning_parser=ns.reasoning_parser,
                          response_store=(ResponseStore() if store_enabled(ns.enable_responses_api_store)
                                          else None),
                          model_path=args.model, api_key=ns.api_key or os.environ.get("JAXKV_API_KEY"),
@@ -131,6 +132,7 @@ def _start_engine(ns, args, ctx, metrics, server, status: dict) -> None:
 
 def add_serve_parser(sub) -> None:
     from jaxkv.engine_args import EngineArgs
+    from serve.reasoning_parsers import REASONING_PARSERS
     from serve.tool_parsers import TOOL_CALL_PARSERS
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -155,6 +157,9 @@ def add_serve_parser(sub) -> None:
                    help="prefix of the /metrics series names (default: jaxkv; vllm gives vLLM's "
                    "own names, for routers that read them)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a thinking model's <think>...</think> block from its answer "
+                   "(reasoning_content in chat, a reasoning item in /v1/responses)")
     s.add_argument("--enable-responses-api-store", action="store_true",
                    help="keep finished /v1/responses responses (the newest 1000, 64 MiB in all) "
                    "for GET /v1/responses/{id} and previous_response_id (also "

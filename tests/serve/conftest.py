@@ -71,7 +71,7 @@ class _Launch:
         cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--api-key", API_KEY,
                "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--max-num-seqs", "32",
                "--kv-cache-memory-bytes", str(KV_BYTES), "--enable-tokenizer-info-endpoint",
-               "--enable-responses-api-store",
+               "--enable-responses-api-store", "--reasoning-parser", "qwen3",
                # The default buckets for a budget of 64, all compiled at warmup (explicit buckets
                # start no background compile that would compete with the tests for the CPU).
                "--token-buckets", "1,8,64"]
