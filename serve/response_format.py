@@ -42,9 +42,10 @@ def request_constraint(req) -> tuple[StructuredOutputsParams | None, str]:
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise APIError("response_format.json_schema.schema must be given for type "
                                "json_schema", 400, "response_format")
-            # OpenAI's strict mode: no keys beyond the declared properties.
+            # OpenAI's strict mode: no keys beyond the declared properties. Without it the
+            # engine's default decides, which closes them too (as vLLM's default backend).
             return StructuredOutputsParams(json=rf.json_schema.json_schema,
-                                           disable_additional_properties=bool(rf.json_schema.strict)), field
+                                           disable_additional_properties=rf.json_schema.strict or None), field
         if field == "structured_outputs":
             return StructuredOutputsParams.from_dict(req.structured_outputs), field
         return StructuredOutputsParams(**{GUIDED[field]: getattr(req, field)},

@@ -33,8 +33,11 @@ class StructuredOutputsParams:
     matches; choice: the output is one of these strings; grammar: a Lark grammar (or GBNF, as
     llama.cpp writes it); json_object: any JSON object. disable_any_whitespace: JSON without
     free whitespace between tokens (vLLM's flag; the default allows it, as vLLM's guidance
-    backend); disable_additional_properties: objects of a json schema without
-    ``additionalProperties`` get ``false``; whitespace_pattern: a regex for JSON whitespace.
+    backend); disable_additional_properties: objects of a json schema that declare
+    properties and say nothing of ``additionalProperties`` get ``false`` (None, the default:
+    the engine's StructuredOutputsConfig decides, which says true, as vLLM's default backend
+    closes such objects; false keeps them open); whitespace_pattern: a regex for JSON
+    whitespace.
     """
 
     json: str | dict | None = None
@@ -43,7 +46,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
     disable_fallback: bool = False  # vLLM's; jaxkv has one backend, so there is no fallback
 
@@ -80,8 +83,9 @@ class StructuredOutputsParams:
         elif not isinstance(value, str) or not value:
             raise ValueError(f"structured_outputs.{kind}: must be a non-empty string, got {value!r}"[:300])
         for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"structured_outputs.{name}: must be a bool")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "disable_additional_properties"):
+                raise ValueError(f"structured_outputs.{name}: must be a bool, got {value!r}")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern: must be a string")
 
@@ -159,11 +163,12 @@ BACKENDS = ("auto", "guidance")
 class StructuredOutputsConfig:
     """Engine-wide structured-output settings (vLLM's --structured-outputs-config): the
     backend (llguidance, vLLM's "guidance"; "auto" picks it) and defaults that every request
-    gets on top of its own (disable_any_whitespace, disable_additional_properties)."""
+    gets on top of its own (disable_any_whitespace; disable_additional_properties, true by
+    default as vLLM's default backend (xgrammar) behaves, unless the request says false)."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = True
     disable_fallback: bool = False  # vLLM's; one backend, nothing to fall back to
 
     @classmethod
@@ -194,8 +199,9 @@ class StructuredOutputsConfig:
         """The request's constraint with the engine-wide defaults switched on."""
         return dataclasses.replace(
             params, disable_any_whitespace=params.disable_any_whitespace or self.disable_any_whitespace,
-            disable_additional_properties=(params.disable_additional_properties
-                                           or self.disable_additional_properties))
+            disable_additional_properties=(self.disable_additional_properties
+                                           if params.disable_additional_properties is None
+                                           else params.disable_additional_properties))
 
 
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")

@@ -181,7 +181,11 @@ def test_structured_outputs_config_flag():
             EngineArgs(structured_outputs_config=bad)
     cfg = StructuredOutputsConfig.from_value('{"backend": "guidance", "disable_any_whitespace": true}')
     got = cfg.apply(StructuredOutputsParams(json={"type": "object"}))
-    assert got.disable_any_whitespace and not got.disable_additional_properties
+    assert got.disable_any_whitespace and got.disable_additional_properties  # vLLM's default
+    opened = cfg.apply(StructuredOutputsParams(json={"type": "object"}, disable_additional_properties=False))
+    assert opened.disable_additional_properties is False  # a request may keep objects open
+    off = StructuredOutputsConfig.from_value('{"disable_additional_properties": false}')
+    assert off.apply(StructuredOutputsParams(json={"type": "object"})).disable_additional_properties is False
 
 
 @pytest.mark.parametrize("so,field", [
@@ -225,3 +229,29 @@ def test_no_additional_properties_leaves_anyof_objects_satisfiable(llm):
     assert out.outputs[0].finish_reason == "stop", out.outputs[0]
     (call,) = json.loads(out.outputs[0].text)
     assert set(call) == {"name", "parameters"} and set(call["parameters"]) == {"city"}
+
+
+def test_unset_additional_properties_are_closed_by_default(llm):
+    """As vLLM's default backend: an object schema that declares properties and says nothing of
+    additionalProperties takes no other key, unless the request keeps it open; a schema that
+    says additionalProperties true stays open."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0}},
+              "required": ["name", "age"]}
+    sp = lambda so: SamplingParams(temperature=0, max_tokens=64, structured_outputs=so)
+    prompt = [chat("Describe a person as JSON with many fields.")]
+    out = llm.chat(prompt, sp(StructuredOutputsParams(json=schema)), use_tqdm=False)[0]
+    assert set(json.loads(out.outputs[0].text)) == {"name", "age"}
+    mgr = llm.llm_engine.structured_output_manager
+    tok = llm.get_tokenizer()
+
+    def accepts(dap, text, sch=schema):
+        import llguidance
+        grammar = mgr.grammar(StructuredOutputsParams(json=sch, disable_additional_properties=dap))
+        m = llguidance.LLMatcher(mgr.ll_tokenizer, grammar)
+        return bool(m.consume_tokens(tok.encode(text, add_special_tokens=False))) and not m.is_error()
+
+    extra = '{"name": "a", "age": 1, "x": 2}'
+    assert accepts(True, '{"name": "a", "age": 1}') and not accepts(True, extra)
+    assert accepts(False, extra)  # the request kept it open
+    assert accepts(True, extra, {**schema, "additionalProperties": True})  # the schema did
