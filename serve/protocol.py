@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from jaxkv.sampling.params import SamplingParams
+from jaxkv.sampling.params import MAX_N, SamplingParams
 from jaxkv.structured_outputs.params import StructuredOutputsParams
 
-MAX_N = 16
+# The sampling fields take the JSON types SamplingParams takes in Python, no coercion ("5",
+# true and 2.0 are not ints; "0.5" is not a number), so both doors accept the same values.
+Number = Union[StrictInt, StrictFloat]
 
 
 class _Base(BaseModel):
@@ -63,29 +65,29 @@ class StreamOptions(_Base):
 class _Sampling(_Base):
     """Fields shared by completions and chat completions."""
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: Number | None = Field(None, ge=0)
+    top_p: Number | None = Field(None, gt=0, le=1)
     stop: Union[StrictStr, list[StrictStr], None] = None
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: StrictInt | None = None
+    presence_penalty: Number = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(0.0, ge=-2, le=2)
     user: str | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
-    logit_bias: dict[str, float] | None = None  # OpenAI's; token id (as a string) -> bias
+    logit_bias: dict[str, Number] | None = None  # OpenAI's; token id (as a string) -> bias
     # Structured outputs (serve/response_format.py turns them into StructuredOutputsParams)
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None
@@ -125,9 +127,9 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
     prompt: Prompt
     add_special_tokens: bool = True
-    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (serve/completions.py)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: StrictInt | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (serve/completions.py)
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -183,10 +185,10 @@ class ChatCompletionNamedToolChoiceParam(_Base):
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
     messages: list[ChatCompletionMessageParam]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None

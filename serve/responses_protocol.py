@@ -17,9 +17,9 @@ from __future__ import annotations
 import uuid
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from serve.protocol import _Base
+from serve.protocol import Number, _Base
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -59,10 +59,10 @@ class ResponsesRequest(_Base):
     model: str | None = None
     input: Union[StrictStr, list[dict]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
     stream: bool = False
     text: TextConfig | None = None

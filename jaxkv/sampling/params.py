@@ -31,6 +31,10 @@ def _fail(name: str, rule: str, value: object) -> None:
     raise ValueError(f"{name} {rule}, got {value!r}")
 
 
+# The most samples one request may ask for, on both doors (the server's n field says the same).
+MAX_N = 16
+
+
 def _as_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         _fail(name, "must be an int", value)
@@ -155,10 +159,10 @@ class SamplingParams:
             _fail("output_kind", "must be a RequestOutputKind", self.output_kind)
 
     def _check_sampling(self) -> None:
-        """n, temperature, top_p, top_k (-1 -> 0), min_p."""
+        """n in [1, MAX_N], temperature, top_p, top_k (-1 -> 0), min_p."""
         self.n = _as_int("n", self.n)
-        if self.n < 1:
-            _fail("n", "must be >= 1", self.n)
+        if not 1 <= self.n <= MAX_N:
+            _fail("n", f"must be in [1, {MAX_N}]", self.n)
 
         self.temperature = _as_float("temperature", self.temperature)
         if self.temperature < 0:

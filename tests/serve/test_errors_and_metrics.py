@@ -22,7 +22,7 @@ CASES = [  # (route, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {**OK, "top_p": 1.01}, 400, "top_p", "less than or equal to 1"),
     ("/v1/completions", {**OK, "n": 0}, 400, "n", "greater than or equal to 1"),
     ("/v1/completions", {**OK, "n": 17}, 400, "n", "less than or equal to 16"),
-    ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", "must be >= 1"),  # 0: echo only
     ("/v1/completions", {**OK, "max_tokens": 1100}, 400, "prompt", "(1100)"),
     ("/v1/completions", {**OK, "prompt": ""}, 400, "prompt", "empty"),
     ("/v1/completions", {**OK, "prompt": []}, 400, "prompt", "empty"),
