@@ -181,7 +181,8 @@ def tokenizer_config(tok, chat_template: str | None) -> dict:
     """vLLM's /tokenizer_info body: the tokenizer's init arguments made JSON (an AddedToken as
     its text), its class as tokenizer_class, and the server's --chat-template if one is set."""
     info = {k: _json_value(v) for k, v in getattr(tok, "init_kwargs", {}).items()}
-    info.update(tokenizer_class=type(tok).__name__, model_max_length=tok.model_max_length)
+    info.update(tokenizer_class=type(tok).__name__,
+                model_max_length=getattr(tok, "model_max_length", None))
     if chat_template is not None:
         info["chat_template"] = chat_template
     elif getattr(tok, "chat_template", None) is not None:

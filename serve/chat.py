@@ -140,12 +140,14 @@ class _ChatRun:
 
     def chunk(self, choices, usage_info: UsageInfo | None = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=self.rid, created=self.created,
-                                            model=self.ctx.model_name, choices=choices,
-                                            usage=usage_info or self.usage.so_far())
+                                            model=self.ctx.model_name, choices=choices, usage=usage_info)
 
-    def one(self, index, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None):
+    def one(self, index, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None,
+            minus: int = 0):
+        """A chunk of choice `index` (with continuous usage stats, its usage so far)."""
         return self.chunk([ChatCompletionResponseStreamChoice(
-            index=index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason)])
+            index=index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason)],
+            self.usage.so_far(self.batch.base_id, index, minus))
 
     async def chunks(self):
         """OpenAI's order per choice: the role, then content chunks (finish_reason null), then
@@ -156,9 +158,10 @@ class _ChatRun:
             for c in out.outputs:
                 if c.index not in started:
                     started.add(c.index)
-                    yield self.one(c.index, DeltaMessage(role=self.role, content=""))
+                    yield self.one(c.index, DeltaMessage(role=self.role, content=""),
+                                   minus=len(c.token_ids))
                     if self.echo:
-                        yield self.one(c.index, DeltaMessage(content=self.echo))
+                        yield self.one(c.index, DeltaMessage(content=self.echo), minus=len(c.token_ids))
                 for chunk in self._choice_chunks(c):
                     yield chunk
         if self.req.stream_options and self.req.stream_options.include_usage:

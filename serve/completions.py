@@ -101,6 +101,9 @@ def _prepare(req: CompletionRequest, ctx: ServerContext) -> "_CompletionRun":
     prompts = _prompts(req, ctx.engine.get_tokenizer())
     constraint, field = request_constraint(req)
     echo_only = req.echo and req.max_tokens == 0
+    if echo_only and req.min_tokens:
+        raise APIError(f"min_tokens must be 0 with echo and max_tokens=0 (nothing is generated), "
+                       f"got {req.min_tokens}", 400, "min_tokens")
     try:
         params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs,
                                      req.logprobs if req.echo and req.logprobs is not None else None,
@@ -112,6 +115,9 @@ def _prepare(req: CompletionRequest, ctx: ServerContext) -> "_CompletionRun":
     try:
         batch.add(prompts, params)
     except APIError as e:
+        if echo_only and e.message.startswith("prompt length"):  # the hidden token needs room
+            raise APIError(e.message + "; echo with max_tokens=0 scores prompts of at most "
+                           "max_model_len - 1 tokens", e.status, e.param) from e
         raise relabel(e, field) from e
     return _CompletionRun(req, ctx, batch)
 
@@ -155,7 +161,7 @@ class _CompletionRun:
 
     def chunk(self, choices, usage_info: UsageInfo | None = None) -> CompletionStreamResponse:
         return CompletionStreamResponse(id=self.rid, created=self.created, model=self.ctx.model_name,
-                                        choices=choices, usage=usage_info or self.usage.so_far())
+                                        choices=choices, usage=usage_info)
 
     async def chunks(self):
         """OpenAI's order per choice: text chunks (finish_reason null), then one chunk with
@@ -164,11 +170,14 @@ class _CompletionRun:
             self.usage.add(out)
             for c in out.outputs:
                 ch = self.choice(i, out, c)
+                used = self.usage.so_far(out.request_id, c.index)  # continuous usage stats
                 if ch.text or (ch.logprobs is not None and ch.logprobs.tokens):
-                    yield self.chunk([ch.model_copy(update={"finish_reason": None, "stop_reason": None})])
+                    yield self.chunk([ch.model_copy(update={"finish_reason": None, "stop_reason": None})],
+                                     used)
                 if ch.finish_reason is not None:
                     yield self.chunk([CompletionResponseChoice(
-                        index=ch.index, text="", finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)])
+                        index=ch.index, text="", finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)],
+                        used)
         if self.req.stream_options and self.req.stream_options.include_usage:
             yield self.chunk([], self.usage.info())
 

@@ -16,23 +16,29 @@ class UsageAccumulator:
         in every chunk; `so_far()` then gives it."""
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.continuous = continuous
-        self._prompts_seen: dict[str, int] = {}  # engine request id -> its prompt tokens
+        self._prompts: dict[str, int] = {}  # engine request id -> its prompt tokens
+        self._choices: dict[tuple[str, int], int] = {}  # (request id, choice) -> tokens so far
 
     def add(self, out) -> None:
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        self._prompts_seen.setdefault(out.request_id, len(out.prompt_token_ids))
+        if self.continuous:
+            self._prompts[out.request_id] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                self._choices[key] = self._choices.get(key, 0) + len(c.token_ids)
         if out.finished:
             self.prompt_tokens += len(out.prompt_token_ids)
             self.cached_tokens += out.num_cached_tokens
 
-    def so_far(self) -> UsageInfo | None:
-        """With `continuous`, the usage up to now (the prompts of the engine requests seen so
-        far, the tokens generated so far), as vLLM's continuous usage stats; else None."""
+    def so_far(self, request_id: str, index: int, minus: int = 0) -> UsageInfo | None:
+        """With `continuous`, vLLM's usage of one chunk: the prompt of the chunk's engine
+        request and the tokens its choice generated so far (less `minus`: a role chunk sent
+        before its output counts none of it); else None."""
         if not self.continuous:
             return None
-        prompt = sum(self._prompts_seen.values())
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                         total_tokens=prompt + self.completion_tokens)
+        prompt = self._prompts.get(request_id, 0)
+        done = self._choices.get((request_id, index), 0) - minus
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
     def info(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,

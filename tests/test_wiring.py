@@ -34,10 +34,16 @@ def collaborators_set_from_outside(root: pathlib.Path = ROOT) -> list[str]:
     for f in _files(root):
         for node in ast.walk(ast.parse(f.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else (
-                [node.target] if isinstance(node, ast.AnnAssign) else [])  # x.n += 1 counts
-            for t in targets:
-                if isinstance(t, ast.Attribute) and t.attr in COLLABORATORS and not _on_self(t):
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.For)) else [])  # += counts
+            for t in (x for target in targets for x in ast.walk(target)):  # tuples too
+                if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store) \
+                        and t.attr in COLLABORATORS and not _on_self(t):
                     bad.append(f"{f.relative_to(root)}:{node.lineno}: {ast.unparse(t)}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "setattr" and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in COLLABORATORS
+                    and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")):
+                bad.append(f"{f.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     return bad
 
 
@@ -90,14 +96,18 @@ def _tree(tmp_path, files: dict[str, str]) -> pathlib.Path:
 def test_the_checks_catch_late_wiring_and_foreign_privates(tmp_path):
     root = _tree(tmp_path, {
         "jaxkv/setup.py": ("def build(runner, leader):\n    runner.leader = leader\n"
-                           "    runner.counter.programs += 1\n"),
+                           "    runner.counter.programs += 1\n"
+                           "    runner.sampler, n = leader, 1\n"
+                           "    setattr(runner, 'offload', None)\n"),
         "jaxkv/engine.py": ("def add(params, ids):\n    params._bad_words_token_ids = ids\n"
                             "    return getattr(params, 'x', None) or params._grammar\n"
                             "def read(p):\n    return getattr(p, '_grammar', None)\n"),
         "jaxkv/ok.py": ("class A:\n    def __init__(self, leader):\n        self.leader = leader\n"
                         "        self._n = 0\n    def peer(self, other):\n        return other._n\n"),
     })
-    assert collaborators_set_from_outside(root) == ["jaxkv/setup.py:2: runner.leader"]
+    assert sorted(collaborators_set_from_outside(root)) == [
+        "jaxkv/setup.py:2: runner.leader", "jaxkv/setup.py:4: runner.sampler",
+        "jaxkv/setup.py:5: setattr(runner, 'offload', None)"]
     assert sorted(foreign_privates(root)) == ["jaxkv/engine.py:2: params._bad_words_token_ids",
                                       "jaxkv/engine.py:3: params._grammar",
                                       "jaxkv/engine.py:5: getattr(p, '_grammar', None)"]

@@ -44,3 +44,10 @@ def test_max_tokens_0_without_echo_is_refused(server):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0,
             "echo": True}
     assert "max_tokens" in _err(server.post("/v1/chat/completions", chat), "max_tokens")
+
+
+def test_echo_only_refusals_say_why(server):
+    err = _err(server.post("/v1/completions", _body(max_tokens=0, min_tokens=2)), "min_tokens")
+    assert "echo" in err and "max_tokens=0" in err
+    long = {"model": MODEL, "prompt": [5] * 1024, "echo": True, "max_tokens": 0}  # max_model_len
+    assert "max_model_len - 1" in _err(server.post("/v1/completions", long), "prompt")

@@ -31,24 +31,38 @@ def test_tokenizer_info_gives_the_tokenizer_config(server, tok):
     assert "/tokenizer_info" in httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]
 
 
-def _check_continuous(chunks):
+def _check_continuous(chunks, prompt_tokens: dict):
+    """vLLM's continuous usage: each chunk carries its own choice's usage (the prompt of its
+    request, the tokens that choice generated so far); the last chunk sums every choice."""
     *body, last = chunks
     assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
-    seen = [c["usage"] for c in body]
-    assert all(u is not None for u in seen)
-    assert all(u["prompt_tokens"] == last["usage"]["prompt_tokens"] for u in seen)
-    done = [u["completion_tokens"] for u in seen]
-    assert done == sorted(done) and done[-1] == last["usage"]["completion_tokens"]
-    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in seen)
+    per_choice: dict[int, list[int]] = {}
+    for c in body:
+        (ch,) = c["choices"]
+        u = c["usage"]
+        assert u["prompt_tokens"] == prompt_tokens[ch["index"]]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        per_choice.setdefault(ch["index"], []).append(u["completion_tokens"])
+    for done in per_choice.values():
+        assert done == sorted(done)
+    assert sum(done[-1] for done in per_choice.values()) == last["usage"]["completion_tokens"]
+    return per_choice
 
 
-def test_continuous_usage_stats_in_every_chunk(server):
+def test_continuous_usage_stats_in_every_chunk(server, tok):
     opts = {"include_usage": True, "continuous_usage_stats": True}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Count to five."}],
-            "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": opts}
-    _check_continuous(_sse(server, "/v1/chat/completions", chat))
-    comp = {"model": MODEL, "prompt": "One, two,", "max_tokens": 8, "temperature": 0,
+            "max_tokens": 8, "temperature": 0.8, "seed": 1, "n": 2, "stream": True,
+            "stream_options": opts}
+    chunks = _sse(server, "/v1/chat/completions", chat)
+    n_prompt = chunks[-1]["usage"]["prompt_tokens"]
+    per_choice = _check_continuous(chunks, {0: n_prompt, 1: n_prompt})
+    assert all(done[0] == 0 for done in per_choice.values())  # the role chunk: nothing yet
+    prompts = ["One, two,", "The sky is blue and the grass is"]
+    comp = {"model": MODEL, "prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2,
             "stream": True, "stream_options": opts}
-    _check_continuous(_sse(server, "/v1/completions", comp))
+    lengths = [len(tok.encode(p)) for p in prompts]
+    _check_continuous(_sse(server, "/v1/completions", comp),
+                      {i * 2 + j: lengths[i] for i in range(2) for j in range(2)})
     plain = _sse(server, "/v1/completions", {**comp, "stream_options": {"include_usage": True}})
     assert all(c.get("usage") is None for c in plain[:-1]) and plain[-1]["usage"] is not None
