@@ -74,13 +74,13 @@ def _logprob_content(entries, token_ids, k: int) -> list[ChatCompletionLogProbsC
 
 
 async def create_chat_completion(req: ChatCompletionRequest, ctx: ServerContext, raw):
-    run = _prepare(req, ctx)
+    run = prepare_chat(req, ctx)
     if req.stream:
         return SSEResponse(sse_events(run.batch, run.chunks()))
     return await collect_or_abort(raw, run.batch, run.collect())
 
 
-def _prepare(req: ChatCompletionRequest, ctx: ServerContext) -> "_ChatRun":
+def prepare_chat(req: ChatCompletionRequest, ctx: ServerContext) -> "_ChatRun":
     """Check the request (APIError 4xx naming the field), render and queue it."""
     ctx.check_model(req.model)
     check_unsupported(req, chat=True)

@@ -18,7 +18,7 @@ import time
 
 from pydantic import ValidationError
 
-from serve.chat import _prepare as prepare_chat
+from serve.chat import prepare_chat
 from serve.context import ServerContext
 from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest
