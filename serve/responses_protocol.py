@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from serve.protocol import Number, _Base
 
@@ -64,17 +64,17 @@ class ResponsesRequest(_Base):
     top_p: Number | None = Field(None, gt=0, le=1)
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     text: TextConfig | None = None
     tools: list[dict] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceFunction, None] = None
-    parallel_tool_calls: bool | None = True
-    store: bool = True
+    parallel_tool_calls: StrictBool | None = True
+    store: StrictBool = True
     previous_response_id: str | None = None
     metadata: dict | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     reasoning: dict | None = None
 
 

@@ -123,6 +123,8 @@ def test_streamed_function_call(client):
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "stream": "yes"}, "stream"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
 ])
 def test_bad_requests_name_the_field(server, body, param):
     assert _err(server.post("/v1/responses", {"model": MODEL, **body}), param)
