@@ -23,7 +23,8 @@ PROJECT = {"jaxkv", "serve", "pallas_kernels", "tests", "benchmarks"}
 FOLDER_EXTRAS = {"jaxkv": (), "serve": (), "pallas_kernels": (), "tests": ("dev",),
                  "benchmarks": ("bench", "llamacpp")}
 # import name -> distribution name, where they differ by more than case and '-' / '_' / '.'
-DISTRIBUTION = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "llama_cpp": "llama-cpp-python"}
+DISTRIBUTION = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "llama_cpp": "llama-cpp-python",
+                "agents": "openai-agents"}
 # calls whose first argument, a literal, names a module to import
 IMPORTING_CALLS = {"importorskip", "import_module", "find_spec"}
 

@@ -65,7 +65,7 @@ class _Launch:
     """One `jaxkv serve` process and a thread that polls /health from its start until 200
     (or the process ends), recording every status code seen."""
 
-    def __init__(self):
+    def __init__(self, extra_args: tuple[str, ...] = ()):
         port = _free_port()
         self.log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--port", str(port), "--api-key", API_KEY,
@@ -74,7 +74,7 @@ class _Launch:
                "--enable-responses-api-store", "--reasoning-parser", "qwen3",
                # The default buckets for a budget of 64, all compiled at warmup (explicit buckets
                # start no background compile that would compete with the tests for the CPU).
-               "--token-buckets", "1,8,64"]
+               "--token-buckets", "1,8,64", *extra_args]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.server = Server(f"http://127.0.0.1:{port}", self.log.name, [])
