@@ -54,28 +54,29 @@ class ReasoningSplitter:
                     self.buf = self.buf[len(START):]
                 self.state = "reasoning"
             elif self.state == "reasoning":
-                at = self.buf.find(END)
-                if at < 0:
-                    keep = _partial_tail(self.buf, END)
-                    reasoning.append(self.buf[:len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
+                if not self._until(END, reasoning, "content"):
                     break
-                reasoning.append(self.buf[:at])
-                self.buf, self.state = self.buf[at + len(END):], "content"
             elif self.state == "watch":
-                at = self.buf.find(START)
-                if at < 0:
-                    keep = _partial_tail(self.buf, START)
-                    content.append(self.buf[:len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
+                if not self._until(START, content, "reasoning"):
                     break
-                content.append(self.buf[:at])
-                self.buf, self.state = self.buf[at + len(START):], "reasoning"
             else:
                 content.append(self.buf)
                 self.buf = ""
                 break
         return "".join(reasoning), "".join(content)
+
+    def _until(self, tag: str, out: list[str], then: str) -> bool:
+        """Move the buffer's text before `tag` to `out`; True (state `then`, the tag dropped)
+        when the tag was there, else False with a possible start of it held back."""
+        at = self.buf.find(tag)
+        if at < 0:
+            keep = len(self.buf) - _partial_tail(self.buf, tag)
+            out.append(self.buf[:keep])
+            self.buf = self.buf[keep:]
+            return False
+        out.append(self.buf[:at])
+        self.buf, self.state = self.buf[at + len(tag):], then
+        return True
 
     def flush(self) -> tuple[str, str]:
         """What is held back at the end of the output (a partial tag is text after all)."""

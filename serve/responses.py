@@ -24,8 +24,8 @@ from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest
 from serve.responses_protocol import (LOGPROBS_INCLUDE, ResponsesRequest, function_call_item,
                                       message_item, new_id, reasoning_item, responses_logprobs)
-from serve.responses_stream import ResponsesSSE, response_events
-from serve.streams import collect_or_abort
+from serve.responses_stream import response_events
+from serve.streams import SSEResponse, collect_or_abort
 
 # chat field -> the Responses field a client sent
 FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
@@ -35,7 +35,7 @@ FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_outpu
 async def create_response(req: ResponsesRequest, ctx: ServerContext, raw):
     run = start(req, ctx)
     if req.stream:
-        return ResponsesSSE(response_events(run))
+        return SSEResponse(response_events(run))
     chat = await collect_or_abort(raw, run.chat.batch, run.chat.collect())
     if chat is None:  # the client left
         return None

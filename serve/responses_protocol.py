@@ -24,15 +24,6 @@ from serve.protocol import Number, _Base
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
-class FunctionTool(_Base):
-    """A function tool of the Responses API (flat: name and parameters beside the type)."""
-    type: Literal["function"] = "function"
-    name: StrictStr = Field(min_length=1)
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema
-    strict: bool | None = None
-
-
 class ToolChoiceFunction(_Base):
     type: Literal["function"] = "function"
     name: StrictStr

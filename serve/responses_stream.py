@@ -17,25 +17,9 @@ from __future__ import annotations
 
 import json
 
-from fastapi.responses import StreamingResponse
-
 from jaxkv.engine.async_llm import EngineDeadError
 from serve.responses_protocol import (function_call_item, message_item, new_id, reasoning_item,
                                       responses_logprobs)
-
-
-class ResponsesSSE(StreamingResponse):
-    """Closes its event generator however the response ends, so a client that leaves aborts
-    its request at once."""
-
-    def __init__(self, content):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 async def response_events(run):
