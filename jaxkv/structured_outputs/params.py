@@ -22,6 +22,8 @@ try:
 except ImportError:  # pragma: no cover - llguidance is a dependency
     GbnfError = ValueError
 
+from jaxkv.structured_outputs.json_schema import bound_numbers, close_objects
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -124,7 +126,8 @@ class StructuredOutputsParams:
             if kind in ("json", "json_object"):
                 schema = self.json if kind == "json" else {"type": "object"}
                 if self.disable_additional_properties:
-                    schema = _no_additional_properties(schema)
+                    schema = close_objects(schema)
+                schema = bound_numbers(schema)
                 overrides = ({"whitespace_pattern": self.whitespace_pattern}
                              if self.whitespace_pattern else None)
                 return llguidance.LLMatcher.grammar_from_json_schema(
@@ -202,33 +205,6 @@ class StructuredOutputsConfig:
             disable_additional_properties=(self.disable_additional_properties
                                            if params.disable_additional_properties is None
                                            else params.disable_additional_properties))
-
-
-_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-
-
-def _no_additional_properties(schema):
-    """A copy of `schema` where every object schema that declares properties and says nothing
-    of additionalProperties gets false (OpenAI's strict mode). An object without declared
-    properties ({"type": "object"}, or one whose keys come from anyOf branches) is left open:
-    false there would allow no key at all."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for k in _SUBSCHEMA:
-        if isinstance(out.get(k), dict):
-            out[k] = _no_additional_properties(out[k])
-    for k in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(k), list):
-            out[k] = [_no_additional_properties(s) for s in out[k]]
-    for k in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(k), dict):
-            out[k] = {n: _no_additional_properties(s) for n, s in out[k].items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _one_line(e) -> str:
