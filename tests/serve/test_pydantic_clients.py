@@ -1,12 +1,13 @@
 """What clients that build schemas from pydantic models send (instructor's TOOLS and JSON_SCHEMA
 modes, the openai client's parse helpers): the model's JSON schema as a named tool's
-parameters, or as response_format json_schema without strict. Pydantic leaves
+parameters, or as response_format json_schema without strict; and instructor itself (a dev
+extra) in both modes, one attempt per prompt. Pydantic leaves
 additionalProperties unset; on a default server (vLLM's default: such objects closed) every
 answer of a recorded prompt set validates against the model, nested models, enums, optional
 fields and lists of models included (with objects left open, 1 of 5 did in each mode,
 2026-12-04: the model adds keys until max_tokens). A list without maxItems is not bounded by
-the grammar, as a number's digits are not: the Order says max_length, as pydantic users write
-it."""
+the grammar (a number's digits are: jaxkv/structured_outputs/json_schema.py): the Order says
+max_length, as pydantic users write it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from enum import Enum
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.serve.conftest import MODEL
+from tests.serve.conftest import API_KEY, MODEL
 
 
 class Colour(str, Enum):
@@ -79,3 +80,24 @@ def test_every_answer_validates(client, mode):
         text = mode(client, model, prompt)
         model.model_validate_json(text)  # raises on any extra key, missing field or bad type
         assert set(json.loads(text)) <= set(model.model_fields)
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_gets_every_answer_validated_first_time(server, mode):
+    """instructor 1.17 on a default server: each prompt's one attempt (max_retries=0; the
+    requests are counted) parses into its model."""
+    import httpx
+    import instructor
+    from openai import OpenAI
+
+    posts = []
+    http = httpx.Client(event_hooks={"request": [lambda r: posts.append(r.url.path)]}, timeout=120)
+    client = instructor.from_openai(OpenAI(base_url=server.url + "/v1", api_key=API_KEY,
+                                           max_retries=0, http_client=http),
+                                    mode=getattr(instructor.Mode, mode))
+    for model, prompt in PROMPTS:
+        got = client.chat.completions.create(
+            model=MODEL, response_model=model, max_retries=0, temperature=0, max_tokens=160,
+            messages=[{"role": "user", "content": prompt}])
+        assert isinstance(got, model)
+    assert posts == ["/v1/chat/completions"] * len(PROMPTS)
