@@ -2,14 +2,17 @@
 The splitter gives a stream's pieces that join to the whole text's split wherever the text is
 cut; the server (started with --reasoning-parser qwen3) returns reasoning_content apart from
 content, streamed and not, and a reasoning item in the Responses API, for an output whose
-think block a regex constraint forces."""
+think block a regex constraint forces; and so does a server of a tiny random Qwen3 model
+(Qwen3ForCausalLM: q/k norms, a config as transformers writes it), as a thinking model
+serves."""
 
 from __future__ import annotations
 
 import pytest
 
 from serve.reasoning_parsers import ReasoningSplitter, split
-from tests.serve.conftest import MODEL, _ok, _sse
+from tests.helpers import write_tiny_model
+from tests.serve.conftest import MODEL, _Launch, _ok, _sse
 
 TEXTS = ["<think>abc</think>Hello", "Hi <think>x</think>y", "no tags", "<think>unfinished",
          "abc</think>ans", "<thi", "<think></think>", "a</thi", "<think>a</think>b</think>c"]
@@ -69,3 +72,32 @@ def test_responses_reasoning_item(client):
         events = list(stream)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=49152,
+             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
+             rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory):
+    folder = write_tiny_model(tmp_path_factory.mktemp("qwen3"), QWEN3)
+    launch = _Launch(("--model", folder, "--load-format", "dummy", "--served-model-name", MODEL))
+    try:
+        launch.thread.join()
+        assert launch.server.health_codes and launch.server.health_codes[-1] == 200, launch.server.log()
+        yield launch.server
+    finally:
+        launch.stop()
+
+
+def test_a_tiny_qwen3_model_thinks_apart_from_its_answer(qwen3_server):
+    assert "Qwen3ForCausalLM" in qwen3_server.log()
+    msg = _ok(qwen3_server.post("/v1/chat/completions", _body()))["choices"][0]["message"]
+    assert msg["reasoning_content"].isalpha() and 3 <= len(msg["reasoning_content"]) <= 8
+    assert msg["content"][0].isupper() and msg["content"].isalpha()
+    chunks = _sse(qwen3_server, "/v1/chat/completions", _body(stream=True))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
