@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from jaxkv.core.kv_budget import parse_bytes
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.engine_config import ATTENTION_BACKENDS, check_batched_tokens, create_engine_config
+from jaxkv.quantization import QUANTIZATIONS
 from jaxkv.structured_outputs.params import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,6 +62,11 @@ class EngineArgs:
                                    "from a checkpoint (its models are its own), so it changes nothing")
     dtype: str = _arg("auto", "weights and KV dtype; auto = bfloat16 on a GPU, float32 elsewhere",
                       choices=DTYPES)
+    quantization: str | None = _arg(
+        None, "the decoder layers' weights quantized (vLLM's names): fp8 (float8 weights; a float "
+        "checkpoint is quantized at load), awq or gptq (4-bit checkpoints), compressed-tensors "
+        "(llm-compressor's fp8); default: the checkpoint's quantization_config, else float",
+        choices=QUANTIZATIONS)
     kv_cache_dtype: str = _arg("auto", "dtype of the KV pool: auto = the model's dtype; bfloat16 "
                                "or float16 hold 2x the tokens of float32; int8, fp8 (= fp8_e4m3) "
                                "and fp8_e5m2 3.9x (one byte per value plus a bfloat16 scale per "
@@ -152,6 +158,8 @@ class EngineArgs:
 
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            bad("quantization", f"must be one of {QUANTIZATIONS} or None")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         pos_int("block_size")

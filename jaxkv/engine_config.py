@@ -10,6 +10,7 @@ the engine and `jaxkv plan` all read the same record, so `jaxkv plan` reports wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -18,6 +19,8 @@ from jaxkv.core.kv_budget import KVBudget, bytes_per_token, parse_bytes, plan_kv
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.structured_outputs.params import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
+from jaxkv.quantization import QuantSpec, weights_bytes
+from jaxkv.quantization import resolve as resolve_quantization
 
 logger = logging.getLogger("jaxkv")
 
@@ -77,6 +80,8 @@ class RunnerConfig:
     # Dispatch the next decode step before this step's tokens reach the host
     # (jaxkv/runner/lookahead.py); one process without a mesh only.
     async_scheduling: bool = False
+    # The decoder layers' weights quantized (jaxkv/quantization), None: in `dtype`.
+    quantization: QuantSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -221,8 +226,8 @@ def resolve_backend(name: str, platform: str, model_config: ModelConfig | None =
 
 def create_engine_config(args, *, platform: str, model_config: ModelConfig | None = None,
                          device_memory_bytes: int | None = None, num_processes: int = 1,
-                         cpu_kernels_unavailable: Callable[[], str | None] | None = None
-                         ) -> EngineConfig:
+                         cpu_kernels_unavailable: Callable[[], str | None] | None = None,
+                         quantization_config: dict | None = None) -> EngineConfig:
     """Resolve `args` (EngineArgs) for `platform`, the model and the job, once: the engine build
     uses the result as it is.
 
@@ -231,13 +236,19 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     weights' share is the model's parameter count x dtype bytes).
     num_processes: the processes of the job that will run the engine (jax.process_count()).
     cpu_kernels_unavailable: see `resolve_backend` (None: the cpu kernel is assumed to build).
+    quantization_config: the checkpoint's (config.json's), with args.quantization deciding
+    the weights' format (read from args.model with model_config when None).
     Raises ValueError naming the field for values that contradict the model, the platform, the
     job or each other.
     """
     if model_config is None:
         from jaxkv.loader.source import read_config
-        model_config = ModelConfig.from_hf_config(read_config(args.model))
+        hf_config = read_config(args.model)
+        model_config = ModelConfig.from_hf_config(hf_config)
+        quantization_config = hf_config.get("quantization_config")
     mc = model_config
+    quant = resolve_quantization(args.quantization, {"quantization_config": quantization_config},
+                                 platform)
     max_model_len = _max_model_len(args.max_model_len, mc)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if platform == "gpu" else "float32")
     mnbt = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if platform == "gpu"
@@ -250,7 +261,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                          f"must be less than max_num_batched_tokens ({mnbt}): a draft shares the "
                          "step's token budget with its request's own token")
     check_tensor_parallel(mc, args.tensor_parallel_size)
-    cache = _cache_config(args, mc, dtype, max_model_len, device_memory_bytes)
+    cache = _cache_config(args, mc, dtype, max_model_len, device_memory_bytes, quant)
     if num_processes > 1 and cache.num_host_blocks:  # also when the job came from JAX's environment
         raise ValueError("swap_space is not supported by a multi-process engine yet")
     if num_processes > 1 and args.async_scheduling:
@@ -259,8 +270,9 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc, cache=cache,
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
-        runner=_runner_config(args, mc, platform, dtype, buckets, speculative, num_processes,
-                              cpu_kernels_unavailable),
+        runner=dataclasses.replace(
+            _runner_config(args, mc, platform, dtype, buckets, speculative, num_processes,
+                           cpu_kernels_unavailable), quantization=quant),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
 
@@ -293,7 +305,7 @@ def _runner_config(args, mc: ModelConfig, platform: str, dtype: str, token_bucke
 
 
 def _cache_config(args, mc: ModelConfig, dtype: str, max_model_len: int,
-                  device_memory_bytes: int | None) -> CacheConfig:
+                  device_memory_bytes: int | None, quant: QuantSpec | None) -> CacheConfig:
     """The KV pool's blocks (per device, as vLLM's budgets: with tensor parallelism a device
     holds its KV heads only, all of them when they are replicated) and the lower tiers."""
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
@@ -305,7 +317,7 @@ def _cache_config(args, mc: ModelConfig, dtype: str, max_model_len: int,
         block_size=args.block_size, max_model_len=max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory_bytes,
-        used_memory_bytes=mc.num_params() * DTYPE_BYTES[dtype] // tp)
+        used_memory_bytes=weights_bytes(mc, DTYPE_BYTES[dtype], quant) // tp)
     block_bytes = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, DTYPE_BYTES[kv_dtype],
                                   KV_SCALE_BYTES.get(kv_dtype, 0)) * args.block_size
     host_bytes = args.host_tier_bytes()

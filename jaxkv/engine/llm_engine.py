@@ -331,6 +331,9 @@ class LLMEngine:
             tensor_parallel_size=self.config.runner.tensor_parallel_size,
             num_processes=self.config.runner.num_processes,
             attention_backend=self.config.runner.attention_backend,
+            quantization=(self.config.runner.quantization.name
+                          if self.config.runner.quantization else None),
+            weights_bytes=getattr(self.runner, "weights_bytes", 0),
             cpu_matmul_max_rows=self.runner.cpu_matmul_max_rows,
             fused_greedy_max_tokens=getattr(self.runner, "fused_greedy_max_tokens", 0),
             num_fused_greedy_steps=getattr(self.runner, "num_fused_greedy_steps", 0),

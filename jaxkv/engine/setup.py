@@ -66,6 +66,7 @@ def kv_tiers(config, args):
         weights = (f"dummy:{args.seed}" if args.load_format == "dummy"
                    else fingerprint_files(args.model or embedded_model_path()))
         identity = {"weights": weights, "architecture": mc.architecture, "dtype": rc.dtype,
+                    "quantization": rc.quantization.name if rc.quantization else None,
                     "kv_cache_dtype": rc.kv_cache_dtype, "block_size": cc.block_size,
                     "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
                     "head_dim": mc.head_dim}
@@ -111,10 +112,12 @@ def build_engine(cls, args):
                          leader=leader)
     assert runner.offload is None or runner.offload.block_nbytes == config.cache.block_bytes
     scheduler = build_scheduler(config, tokenizer, host, disk)
-    mc = config.model_config
-    logger.info("loaded %s (%s, %s, %.1f M params) in %.1f s", args.model or "SmolLM2-135M-Instruct",
-                mc.architecture, config.runner.dtype,
-                sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6, time.perf_counter() - t0)
+    mc, quant = config.model_config, config.runner.quantization
+    logger.info("loaded %s (%s, %s, %.1f M params, weights %.2f GiB%s) in %.1f s",
+                args.model or "SmolLM2-135M-Instruct", mc.architecture, config.runner.dtype,
+                mc.num_params() / 1e6, runner.weights_bytes / 2**30,
+                f" {quant.name}" + (" quantized at load" if quant.online else "") if quant else "",
+                time.perf_counter() - t0)
     warm_up(runner, config.runner)
     if jax.process_index() > 0:  # a follower: never an engine of its own
         runner.start_background_compile()
@@ -149,7 +152,8 @@ def resolve_config(args, hf_config: dict):
                                        model_config=ModelConfig.from_hf_config(hf_config),
                                        device_memory_bytes=device_memory_bytes(platform),
                                        num_processes=jax.process_count(),
-                                       cpu_kernels_unavailable=cpu_kernels.unavailable)
+                                       cpu_kernels_unavailable=cpu_kernels.unavailable,
+                                       quantization_config=hf_config.get("quantization_config"))
     if jax.process_count() > 1:  # every process builds the leader's pool, runs its steps
         multiprocess.check_mesh(config.runner.tensor_parallel_size)
         config = multiprocess.share_config(config)
@@ -173,7 +177,8 @@ def build_model(config, mesh):
                     "sampled rows): C++ kernel (cpu backend)", cpu_linear.MAX_ROWS,
                     cpu_linear.MAX_ROWS_TRANSPOSED)
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
-                       attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul)
+                       attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul,
+                       quant=rc.quantization)
     if fused_greedy.max_tokens(model):
         logger.info("greedy sampling fused into the step programs of token buckets <= %d",
                     fused_greedy.max_tokens(model))
@@ -189,6 +194,9 @@ def load_params(args, model, ckpt, mesh):
 
     if args.load_format == "dummy":
         params = dummy_params(model, args.seed)
+    elif is_converted(args.model) and model.quant is not None:
+        raise ValueError("quantization: a folder written by `jaxkv convert` holds float weights; "
+                         "load the checkpoint itself to quantize it")
     elif is_converted(args.model):
         params = restore_params(args.model, model, mesh)
     else:

@@ -22,6 +22,11 @@ class EngineStats:
     tensor_parallel_size: int = 1                 # devices the step is split over
     num_processes: int = 1                        # processes holding them (multi-process)
     attention_backend: str = ""                   # "cpu" | "xla" | "pallas", as resolved
+    # The decoder layers' weights format (vLLM's --quantization name: fp8, awq, gptq,
+    # compressed-tensors; None: the model's dtype) and the bytes all the weights hold on the
+    # devices (every shard; quantized layers as packed).
+    quantization: str | None = None
+    weights_bytes: int = 0
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
     # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/cpu_kernels/linear.py); 0: off.
     cpu_matmul_max_rows: int = 0

@@ -91,12 +91,39 @@ def load_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"{path} has no *.safetensors weight files{hint}")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
+        header = _header(file)
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
                 if name in tensors:
                     raise ValueError(f"tensor {name!r} appears in more than one file of {path}")
-                tensors[name] = f.get_tensor(name)
+                kind = header[name]["dtype"]
+                tensors[name] = (_read_float8(file, header, name) if kind in _FLOAT8
+                                 else f.get_tensor(name))
     return tensors
+
+
+# safetensors dtypes its numpy loader cannot make (numpy has no float8): read from the bytes.
+_FLOAT8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _header(file: str) -> dict:
+    """The safetensors header: tensor name -> {"dtype", "shape", "data_offsets"}; the data
+    starts after the 8-byte length and the header."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header["__data_start__"] = 8 + n
+    return header
+
+
+def _read_float8(file: str, header: dict, name: str) -> np.ndarray:
+    import ml_dtypes
+    info = header[name]
+    start, end = info["data_offsets"]
+    with open(file, "rb") as f:
+        f.seek(header["__data_start__"] + start)
+        raw = f.read(end - start)
+    return np.frombuffer(raw, getattr(ml_dtypes, _FLOAT8[info["dtype"]])).reshape(info["shape"]).copy()
 
 
 def load_hf_dir(path: str | os.PathLike, *, load_weights: bool = True) -> Checkpoint:

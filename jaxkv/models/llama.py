@@ -25,6 +25,8 @@ import numpy as np
 from jaxkv.attention import Attention, get_attention, write_and_attend
 from jaxkv.cpu_kernels import linear as cpu_linear
 from jaxkv.models.model_config import ModelConfig
+from jaxkv.quantization import QuantSpec
+from jaxkv.quantization import linear as qlinear
 from jaxkv.step_input import StepInput
 
 
@@ -70,33 +72,43 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A linear layer's weights: kernel [in, out] (the transpose of torch's weight) and bias
-    [out] (or None), stored in the model's dtype; `matmul` applies them."""
+    """A linear layer's weights: {"kernel": [in, out]} (the transpose of torch's weight) in the
+    model's dtype, or the leaves of its quantized format (jaxkv/quantization/linear.py), and
+    bias [out] (or None); `matmul` applies them."""
     features: int
     use_bias: bool
     dtype: jnp.dtype
+    quant: QuantSpec | None = None
 
     @nn.compact
     def __call__(self, in_features: int):
-        kernel = self.param("kernel", nn.initializers.normal(0.02), (in_features, self.features),
-                            self.dtype)
+        if self.quant is not None:
+            weights = qlinear.declare(self, self.quant, in_features, self.features)
+        else:
+            weights = {"kernel": self.param("kernel", nn.initializers.normal(0.02),
+                                            (in_features, self.features), self.dtype)}
         bias = (self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
                 if self.use_bias else None)
-        return kernel, bias
+        return weights, bias
 
 
 def matmul(x, layers, cpu: bool) -> list:
     """x [T, in] -> [x @ kernel (+ bias), [T, out_i] for each Linear of `layers`], computed in
-    the layers' dtype. With `cpu` (LlamaModel.cpu_matmul), an x of at most
-    cpu_linear.MAX_ROWS float32 rows goes through jaxkv's C++ kernel in one call for all the
-    layers (jaxkv/cpu_kernels/linear.py); otherwise each is an XLA dot."""
+    the layers' dtype. Quantized layers dequantize inside the matmul (qlinear.apply). With
+    `cpu` (LlamaModel.cpu_matmul), an x of at most cpu_linear.MAX_ROWS float32 rows goes
+    through jaxkv's C++ kernel in one call for all the layers (jaxkv/cpu_kernels/linear.py);
+    otherwise each is an XLA dot."""
     weights = [layer(x.shape[-1]) for layer in layers]
-    kernels = [k for k, _ in weights]
-    x = x.astype(kernels[0].dtype)  # as flax's Dense: computed in the layer's dtype
-    if cpu and cpu_linear.applies(x, *kernels):
-        ys = cpu_linear.matmul(x, *kernels)
+    quant, dtype = layers[0].quant, layers[0].dtype
+    if quant is not None:
+        ys = [qlinear.apply(x, w, quant, dtype) for w, _ in weights]
     else:
-        ys = [x @ k for k in kernels]
+        kernels = [w["kernel"] for w, _ in weights]
+        x = x.astype(kernels[0].dtype)  # as flax's Dense: computed in the layer's dtype
+        if cpu and cpu_linear.applies(x, *kernels):
+            ys = cpu_linear.matmul(x, *kernels)
+        else:
+            ys = [x @ k for k in kernels]
     return [y if b is None else y + b for y, (_, b) in zip(ys, weights)]
 
 
@@ -105,17 +117,18 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     attention: Attention
     cpu_matmul: bool = False
+    quant: QuantSpec | None = None
 
     @nn.compact
     def __call__(self, carry, layer, rope, step: StepInput, shared):
         x, pool = carry
-        c, dt = self.cfg, self.dtype
+        c, dt, qs = self.cfg, self.dtype, self.quant
         t = x.shape[0]
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
         mm = lambda x, *layers: matmul(x, layers, self.cpu_matmul)  # noqa: E731
-        q, k, v = mm(h, Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj"),
-                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj"),
-                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj"))
+        q, k, v = mm(h, Linear(c.num_heads * c.head_dim, c.attention_bias, dt, qs, name="q_proj"),
+                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, qs, name="k_proj"),
+                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, qs, name="v_proj"))
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
@@ -126,11 +139,11 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, pool = write_and_attend(self.attention, q, k, v, pool, step, shared, layer=layer,
                                    scale=c.head_dim ** -0.5)
-        x = x + mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, name="o_proj"))[0]
+        x = x + mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, qs, name="o_proj"))[0]
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        g, u = mm(h, Linear(c.intermediate_size, False, dt, name="gate_proj"),
-                  Linear(c.intermediate_size, False, dt, name="up_proj"))
-        x = x + mm(nn.silu(g) * u, Linear(c.hidden_size, False, dt, name="down_proj"))[0]
+        g, u = mm(h, Linear(c.intermediate_size, False, dt, qs, name="gate_proj"),
+                  Linear(c.intermediate_size, False, dt, qs, name="up_proj"))
+        x = x + mm(nn.silu(g) * u, Linear(c.hidden_size, False, dt, qs, name="down_proj"))[0]
         return (x, pool), None
 
 
@@ -139,17 +152,20 @@ class LlamaModel(nn.Module):
     the pool updated); `logits(hidden)` -> float32 [rows, vocab_size]. `attention`: the backend
     chosen at engine build (jaxkv.attention.get_attention); `cpu_matmul`: steps and sampler
     calls of at most cpu_linear.MAX_ROWS rows run their float32 matmuls through jaxkv's C++
-    kernels (set by the engine with the cpu attention backend and no tensor parallelism)."""
+    kernels (set by the engine with the cpu attention backend and no tensor parallelism);
+    `quant`: the decoder layers' linear weights quantized (jaxkv/quantization; the embedding
+    and the LM head stay in `dtype`)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention: Attention = get_attention("xla")
     cpu_matmul: bool = False
+    quant: QuantSpec | None = None
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype, name="embed_tokens")
-        self.layers = [DecoderLayer(c, self.dtype, self.attention, self.cpu_matmul,
+        self.layers = [DecoderLayer(c, self.dtype, self.attention, self.cpu_matmul, self.quant,
                                     name=f"layers_{i}")
                        for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.models.model_config import ModelConfig
+from jaxkv.quantization.load import linear_leaves, quantize
 from jaxkv.step_input import StepInput
 
 _LAYER_MAP = {  # flax module -> (HF suffix, transpose)
@@ -47,7 +48,6 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
     """
     c: ModelConfig = model.cfg
     shapes = param_shapes(model)
-    dtype = model.dtype
 
     def get(name):
         if name not in tensors:
@@ -62,22 +62,44 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
         layer = out[f"layers_{i}"] = {}
         for mod, leaves in shapes[f"layers_{i}"].items():
             hf, transpose = _LAYER_MAP[mod]
+            prefix = f"model.layers.{i}.{hf}"
+            if transpose and model.quant is not None:  # a quantized linear layer
+                n_in, n_out = _linear_dims(c, mod)
+                layer[mod] = linear_leaves(model.quant, get, prefix, n_in, n_out)
+                if "bias" in leaves:
+                    layer[mod]["bias"] = get(f"{prefix}.bias")
+                continue
             layer[mod] = {}
             for leaf in leaves:
-                a = get(f"model.layers.{i}.{hf}.{'bias' if leaf == 'bias' else 'weight'}")
+                a = get(f"{prefix}.{'bias' if leaf == 'bias' else 'weight'}")
                 layer[mod][leaf] = a.T if transpose and leaf == "kernel" else a
+    return _checked(shapes, out)
 
+
+def _checked(shapes, out):
+    """`out` as device arrays of the dtypes `shapes` declares; ValueError naming a leaf whose
+    shape differs."""
     def check(path, want, got):
         name = "/".join(str(getattr(p, "key", p)) for p in path)
         if tuple(got.shape) != tuple(want.shape):
             raise ValueError(f"tensor for {name} has shape {tuple(got.shape)}, model expects {tuple(want.shape)}")
-        return jnp.asarray(got, dtype=dtype)
+        return jnp.asarray(got, dtype=want.dtype)
 
     return jax.tree_util.tree_map_with_path(check, shapes, out)
 
 
+def _linear_dims(c: ModelConfig, module: str) -> tuple[int, int]:
+    """(in, out) of a decoder layer's linear module."""
+    q, kv, h, m = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h)}[module]
+
+
 def dummy_params(model, seed: int = 0) -> dict:
-    """Random weights of the configured shapes (load_format="dummy"): normal(0, 0.02), norms 1."""
+    """Random weights of the configured shapes (load_format="dummy"): normal(0, 0.02), norms 1;
+    with quantization, those of the float model quantized (jaxkv/quantization/load.py)."""
+    if model.quant is not None:
+        return _quantized(model, dummy_params(model.clone(quant=None), seed))
     shapes = param_shapes(model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     key = jax.random.PRNGKey(seed)
@@ -91,3 +113,15 @@ def dummy_params(model, seed: int = 0) -> dict:
         else:
             out.append((0.02 * jax.random.normal(jax.random.fold_in(key, i), s.shape)).astype(s.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _quantized(model, float_params) -> dict:
+    """The decoder layers' float kernels of `float_params` quantized to `model.quant`."""
+    out = jax.tree.map(np.asarray, float_params)
+    for i in range(model.cfg.num_layers):
+        for mod, leaves in out[f"layers_{i}"].items():
+            if "kernel" in leaves:
+                bias = leaves.get("bias")
+                leaves = quantize(leaves["kernel"], model.quant)
+                out[f"layers_{i}"][mod] = leaves if bias is None else {**leaves, "bias": bias}
+    return _checked(param_shapes(model), out)

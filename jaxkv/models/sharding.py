@@ -3,7 +3,9 @@
 Megatron-style, as vLLM lays a Llama out (Shoeybi et al. 2019): q/k/v and gate/up kernels are
 split by output columns (heads), o and down by input rows, so each device computes its heads'
 attention and its slice of the MLP, and XLA inserts the all-reduce after o_proj and down_proj
-(GSPMD propagates the rest from these annotations: nothing home-made on the wire). The
+(GSPMD propagates the rest from these annotations: nothing home-made on the wire). Quantized
+layers split the same way: their packed weights, per-group scales and zero points along the
+same axis as the kernel, per-channel scales with the columns (jaxkv/quantization/linear.py). The
 embedding and the LM head are split by vocabulary when it divides. The KV pool is split by KV
 head; when there are fewer KV heads than devices (and the device count is a multiple of
 them) K/V are replicated, as vLLM replicates them. Norms and everything of the host
@@ -51,9 +53,11 @@ def param_specs(params, cfg, mesh: Mesh):
     def spec(path, x):
         names = [str(getattr(p, "key", p)) for p in path]
         module, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
-        if module in cols and cols[module]:
-            return P(None, AXIS) if leaf == "kernel" else P(AXIS)  # kernel [in, out], bias [out]
-        if module in rows and leaf == "kernel":
+        if leaf == "perm":  # GPTQ's act-order input permutation [in]
+            return P()
+        if module in cols and cols[module]:  # [in, out] and [groups, out] leaves; [out] ones
+            return P(None, AXIS) if x.ndim == 2 else P(AXIS)
+        if module in rows and x.ndim == 2:  # the kernel, packed weights, groups' scales, zeros
             return P(AXIS, None)
         if module == "embed_tokens" and vocab:
             return P(AXIS, None)  # [vocab, hidden]

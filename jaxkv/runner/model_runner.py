@@ -75,6 +75,8 @@ class ModelRunner:
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
         self.num_blocks = cc.num_blocks
         self._place(params, rc.tensor_parallel_size)
+        # Bytes the weights hold on this process's devices (all shards; quantized ones packed).
+        self.weights_bytes = sum(sh.bytes_per_device(self.params))
         self.enforce_eager = enforce_eager = rc.enforce_eager
         self.mark_decode_only = model.attention.uses_decode_only
         self.warmup_token_buckets = rc.warmup_token_buckets

@@ -1,0 +1,147 @@
+"""Weight quantization (vLLM's --quantization): the format the decoder layers' linear weights
+(q, k, v, o, gate, up, down) are kept in on the device, decided once from the flag and the
+checkpoint's ``quantization_config``. The LM head and the embedding stay in the model's dtype.
+
+- ``fp8``: float8 e4m3 weights, a float32 scale per output channel (a per-tensor scale is
+  broadcast). A float checkpoint is quantized at load (max|W| / 448 per output channel, where
+  vLLM's online fp8 takes one per tensor: see load.quantize_fp8); a checkpoint in vLLM's fp8 format (``quant_method: "fp8"``) or
+  llm-compressor's (``compressed-tensors``, ``float-quantized``, per tensor or per channel)
+  is read as it is. On a GPU the matmul is W8A8 (activations quantized per token, dynamically,
+  the product accumulated in float32); elsewhere the weights are widened inside the matmul.
+- ``awq`` / ``gptq``: 4-bit integers in groups along the input dimension (``group_size``,
+  128 by default) with a float16 scale and an integer zero point per group and output channel,
+  as AutoAWQ's GEMM layout and GPTQ's (act-order ``g_idx`` included) store them; unpacked at
+  load into one layout (two values per byte), dequantized inside the matmul.
+
+jaxkv/quantization/linear.py declares and applies the layers' leaves (JAX);
+jaxkv/quantization/load.py turns checkpoint tensors into them (numpy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors")
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How the decoder layers' linear weights are held.
+
+    method: "fp8" | "awq" | "gptq"; bits: 8 (fp8) or 4; group_size: inputs per scale (None:
+    one scale per output channel, fp8); act_order: GPTQ's g_idx reorders the inputs;
+    fp8_activations: W8A8 (a GPU); online: quantized at load from float weights; checkpoint:
+    the quant_method as the checkpoint names it (None when quantized at load); zero_offset:
+    added to the stored zero points (1 for GPTQ's original format).
+    """
+
+    method: str
+    bits: int = 8
+    group_size: int | None = None
+    act_order: bool = False
+    fp8_activations: bool = False
+    online: bool = False
+    checkpoint: str | None = None
+    zero_offset: int = 0  # GPTQ's original format stores each zero point minus one
+
+    @property
+    def name(self) -> str:
+        """The name stats, the log and /metrics show (vLLM's --quantization value)."""
+        return self.checkpoint or self.method
+
+    def bytes_per_weight(self) -> float:
+        """Device bytes per weight of a quantized layer, scales and zero points included."""
+        if self.method == "fp8":
+            return 1.0
+        group = self.group_size or 128
+        return self.bits / 8 + (2 + 1) / group  # float16 scale, uint8 zero point
+
+
+def linear_params(mc) -> int:
+    """Weights of the decoder layers' linear modules (q, k, v, o, gate, up, down), all layers."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return mc.num_layers * (2 * h * q + 2 * h * kv + 3 * h * mc.intermediate_size)
+
+
+def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
+    """Device bytes of the model's weights (ModelConfig `mc`, the float weights' bytes per
+    value): the linear layers' at the quantized size, the rest in the model's dtype."""
+    total = mc.num_params() * dtype_bytes
+    if spec is None:
+        return total
+    n = linear_params(mc)
+    return int(total - n * dtype_bytes + n * spec.bytes_per_weight())
+
+
+def resolve(asked: str | None, hf_config: dict, platform: str) -> QuantSpec | None:
+    """The QuantSpec of `asked` (EngineArgs.quantization) and the checkpoint's
+    quantization_config; None for float weights. ValueError in one line when they disagree,
+    when a format needs a checkpoint it does not have, or for a format jaxkv does not read."""
+    qc = hf_config.get("quantization_config")
+    if asked is not None and asked not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {asked!r}")
+    if not qc:
+        if asked in (None,):
+            return None
+        if asked == "fp8":
+            return QuantSpec("fp8", fp8_activations=platform == "gpu", online=True)
+        raise ValueError(f"quantization={asked!r} needs a checkpoint quantized that way (its "
+                         "config.json has no quantization_config); jaxkv quantizes float "
+                         "weights at load to fp8 only")
+    method = qc.get("quant_method")
+    if asked is not None and asked != method:
+        raise ValueError(f"quantization={asked!r} does not match the checkpoint's "
+                         f"quantization_config.quant_method {method!r}")
+    if method == "fp8":
+        return _fp8_checkpoint(qc, platform)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, platform)
+    if method in ("awq", "gptq"):
+        return _int4_checkpoint(method, qc)
+    raise ValueError(f"quantization_config.quant_method {method!r} is not supported (jaxkv "
+                     f"reads {QUANTIZATIONS})")
+
+
+def _fp8_checkpoint(qc: dict, platform: str) -> QuantSpec:
+    if qc.get("weight_block_size"):
+        raise ValueError("quantization_config.weight_block_size: block-wise fp8 scales are not "
+                         "supported (per-tensor and per-channel are)")
+    return QuantSpec("fp8", fp8_activations=platform == "gpu", checkpoint="fp8")
+
+
+def _compressed_tensors(qc: dict, platform: str) -> QuantSpec:
+    """llm-compressor's float-quantized fp8 (weights 8-bit float, per tensor or per channel)."""
+    groups = qc.get("config_groups") or {}
+    for name, g in groups.items():
+        w = g.get("weights") or {}
+        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in ("tensor", "channel"):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights: jaxkv reads "
+                             "compressed-tensors fp8 weights (type float, 8 bits, per tensor or "
+                             f"channel), got {w!r}"[:300])
+    if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
+        raise ValueError(f"quantization_config.format {qc.get('format')!r} is not supported "
+                         "(float-quantized is)")
+    return QuantSpec("fp8", fp8_activations=platform == "gpu", checkpoint="compressed-tensors")
+
+
+def _int4_checkpoint(method: str, qc: dict) -> QuantSpec:
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"quantization_config.bits: jaxkv reads 4-bit {method.upper()}, got {bits!r}")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise ValueError(f"quantization_config.group_size must be a positive integer or -1, got {group!r}")
+    if method == "awq":
+        if qc.get("version", "gemm").lower() != "gemm":
+            raise ValueError(f"quantization_config.version {qc.get('version')!r}: jaxkv reads "
+                             "AWQ's GEMM layout")
+        if qc.get("zero_point") is False:
+            raise ValueError("quantization_config.zero_point: AWQ without zero points is not supported")
+    elif qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config.checkpoint_format {qc.get('checkpoint_format')!r}"
+                         " is not supported (gptq and gptq_v2 are)")
+    v1 = method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq"
+    return QuantSpec(method, bits=4, group_size=None if group == -1 else group,
+                     act_order=bool(qc.get("desc_act", False)), checkpoint=method,
+                     zero_offset=1 if v1 else 0)

@@ -1,0 +1,70 @@
+"""A quantized linear layer's leaves in the Flax parameter tree, and its matmul (JAX).
+
+Leaves by QuantSpec.method (kernel layout [in, out], as jaxkv's float kernels):
+- fp8: "kernel" float8_e4m3fn [in, out], "scale" float32 [out]; W = kernel * scale.
+- awq / gptq: "qweight" uint8 [in / 2, out] (input row 2i in the low nibble, 2i + 1 in the
+  high one), "scales" float16 [groups, out], "zeros" uint8 [groups, out] (the zero points as
+  stored, before QuantSpec.zero_offset), and with act-order "perm" int32 [in] (the inputs in
+  group order); W[i] = (q[i] - zero[g] - zero_offset) * scale[g] for the group g of input i.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.quantization import FP8_MAX, QuantSpec
+
+
+def num_groups(spec: QuantSpec, in_features: int) -> int:
+    return 1 if spec.group_size is None else in_features // spec.group_size
+
+
+def leaf_shapes(spec: QuantSpec, in_features: int, out: int) -> dict:
+    """Leaf name -> (shape, dtype) of one layer of `spec`."""
+    if spec.method == "fp8":
+        return {"kernel": ((in_features, out), jnp.float8_e4m3fn), "scale": ((out,), jnp.float32)}
+    g = num_groups(spec, in_features)
+    leaves = {"qweight": ((in_features // 2, out), jnp.uint8), "scales": ((g, out), jnp.float16),
+              "zeros": ((g, out), jnp.uint8)}
+    if spec.act_order:
+        leaves["perm"] = ((in_features,), jnp.int32)
+    return leaves
+
+
+def declare(module, spec: QuantSpec, in_features: int, out: int) -> dict:
+    """The layer's leaves as params of the Flax `module` (zeros until loaded)."""
+    return {name: module.param(name, jax.nn.initializers.zeros, shape, dtype)
+            for name, (shape, dtype) in leaf_shapes(spec, in_features, out).items()}
+
+
+def dequantize(w: dict, spec: QuantSpec, dtype) -> jax.Array:
+    """The layer's weights [in, out] in `dtype` (float32 arithmetic)."""
+    if spec.method == "fp8":
+        return (w["kernel"].astype(jnp.float32) * w["scale"]).astype(dtype)
+    packed = w["qweight"]
+    q = jnp.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[-1])
+    groups = w["scales"].shape[0]
+    q = q.astype(jnp.float32).reshape(groups, -1, q.shape[-1])
+    zeros = w["zeros"].astype(jnp.float32) + spec.zero_offset
+    out = (q - zeros[:, None]) * w["scales"].astype(jnp.float32)[:, None]
+    return out.reshape(-1, out.shape[-1]).astype(dtype)
+
+
+def apply(x: jax.Array, w: dict, spec: QuantSpec, dtype) -> jax.Array:
+    """x [T, in] -> [T, out] in `dtype`. fp8 with fp8_activations: each row of x quantized to
+    float8 e4m3 with its own scale (max|row| / 448), the product of the two float8 operands
+    accumulated in float32, then both scales applied. Otherwise the weights are widened to
+    `dtype` inside the step (XLA fuses the dequantization into the program)."""
+    if spec.method == "fp8" and spec.fp8_activations:
+        xf = x.astype(jnp.float32)
+        sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX, 1e-12)
+        xq = jnp.clip(xf / sx, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+        y = jax.lax.dot(xq, w["kernel"], preferred_element_type=jnp.float32)
+        return (y * sx * w["scale"]).astype(dtype)
+    if spec.method == "fp8":
+        y = jnp.dot(x.astype(dtype), w["kernel"].astype(dtype), preferred_element_type=jnp.float32)
+        return (y * w["scale"]).astype(dtype)
+    if "perm" in w:
+        x = jnp.take(x, w["perm"], axis=-1)
+    return x.astype(dtype) @ dequantize(w, spec, dtype)

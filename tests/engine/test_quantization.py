@@ -1,0 +1,140 @@
+"""quantization= / --quantization on the engine: fp8 weights on the embedded model against
+float32 (ten chat prompts, as the KV-dtype table measures), the W8A8 matmul (per-token
+activation scales: a row's result does not depend on its neighbours), the weights' bytes in
+stats, and bad input failing in one line naming the field or tensor."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import LLM
+from jaxkv.engine_args import EngineArgs
+from jaxkv.quantization import QuantSpec, resolve
+from jaxkv.quantization import linear as qlinear
+from jaxkv.quantization.load import linear_leaves, quantize_fp8, quantize_int4
+from tests.conftest import TEST_ENGINE
+from tests.engine.test_kv_cache_dtype import _divergences, reference  # noqa: F401 (fixture)
+
+
+def test_fp8_weights_on_the_embedded_model(reference):  # noqa: F811
+    convs, sp, ref = reference
+    llm = LLM(quantization="fp8", **TEST_ENGINE)
+    got = llm.chat(convs, sp, use_tqdm=False)
+    margins = _divergences(got, ref)
+    diffs = [abs(a.outputs[0].logprobs[0][t].logprob - lp.logprob)
+             for a, b in zip(got, ref) for t, lp in b.outputs[0].logprobs[0].items()
+             if t in a.outputs[0].logprobs[0]]
+    first = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(got, ref))
+    s = llm.stats()
+    print(f"\nfp8 weights (quantized at load, widened in the matmul on the CPU): "
+          f"{10 - len(margins)}/10 greedy 16-token outputs equal float32's ({first}/10 first "
+          f"tokens; float32 margins where they part: {[round(m, 3) for m in margins]}); mean "
+          f"|first-token logprob difference| {np.mean(diffs):.4f} over {len(diffs)} top-20 "
+          f"entries; weights {s.weights_bytes / 2**20:.1f} MiB")
+    assert first >= 6 and np.mean(diffs) <= 0.25
+    assert s.quantization == "fp8"
+    float_bytes = 134_515_008 * 4  # SmolLM2-135M's parameters in float32
+    # The layers at one byte a weight; the tied embedding (28.3 M) stays float32.
+    assert 0.35 * float_bytes < s.weights_bytes < 0.42 * float_bytes
+
+
+def test_w8a8_rows_are_scaled_apart():
+    """W8A8 (the GPU's fp8 path, run here on the CPU): within a few percent of the float
+    product, and each row's result is the same whatever rows share its step."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    leaves = {k: jnp.asarray(v) for k, v in quantize_fp8(w).items()}
+    spec = QuantSpec("fp8", fp8_activations=True)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    x[4] *= 1000  # a loud neighbour
+    y = np.asarray(qlinear.apply(jnp.asarray(x), leaves, spec, jnp.float32))
+    ref = x @ np.asarray(qlinear.dequantize(leaves, spec, jnp.float32))
+    assert (np.abs(y - ref).max(axis=1) / np.abs(ref).max(axis=1)).max() < 0.08
+    alone = np.asarray(qlinear.apply(jnp.asarray(x[:1]), leaves, spec, jnp.float32))
+    np.testing.assert_allclose(alone[0], y[0], rtol=1e-5)  # the dot's summation order aside
+
+
+def test_int4_leaves_round_trip():
+    """Round-to-nearest int4 with zero points: every weight within half a step of its group."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 16)).astype(np.float32)
+    spec = QuantSpec("awq", bits=4, group_size=32)
+    leaves = quantize_int4(w, spec)
+    deq = np.asarray(qlinear.dequantize({k: jnp.asarray(v) for k, v in leaves.items()}, spec, jnp.float32))
+    step = np.repeat(leaves["scales"].astype(np.float32), 32, axis=0)
+    assert np.all(np.abs(deq - w) <= 0.5 * step + 1e-3)
+
+
+def test_plan_and_bytes(capsys):
+    """The KV budget counts the quantized weights' bytes (what the pool may use on a GPU)."""
+    from jaxkv.quantization import weights_bytes
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+    mc = ModelConfig.from_hf_config(read_config(None))
+    fp8 = weights_bytes(mc, 4, QuantSpec("fp8"))
+    assert fp8 == mc.num_params() * 4 - 3 * (mc.num_params() - mc.vocab_size * mc.hidden_size
+                                             - mc.hidden_size * (2 * mc.num_layers + 1))
+    config = EngineArgs(quantization="fp8").create_engine_config(platform="cpu")
+    assert config.runner.quantization == QuantSpec("fp8", online=True)
+    assert EngineArgs(quantization="fp8").create_engine_config(
+        platform="gpu").runner.quantization.fp8_activations
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+
+
+@pytest.mark.parametrize("asked,qc,match", [
+    ("awq", None, "quantization='awq' needs a checkpoint"),
+    ("gptq", AWQ, "does not match the checkpoint's quantization_config.quant_method 'awq'"),
+    (None, {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    (None, {**AWQ, "bits": 8}, "quantization_config.bits"),
+    (None, {**AWQ, "version": "gemv"}, "quantization_config.version"),
+    (None, {"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    (None, {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "type": "int", "num_bits": 4, "strategy": "group"}}}}, "config_groups.g.weights"),
+])
+def test_bad_quantization_fails_in_one_line(asked, qc, match):
+    with pytest.raises(ValueError, match=match) as e:
+        resolve(asked, {"quantization_config": qc}, "cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_bad_tensors_name_the_tensor():
+    n_in, out = 96, 64
+    spec = QuantSpec("awq", bits=4, group_size=64)
+    get = {}.__getitem__
+
+    def getter(tensors):
+        def get(name):
+            if name not in tensors:
+                raise ValueError(f"checkpoint lacks tensor {name!r}")
+            return tensors[name]
+        return get
+    with pytest.raises(ValueError, match="group_size 64 does not divide the input dimension 96 of x"):
+        linear_leaves(spec, get, "x", n_in, out)
+    fp8 = QuantSpec("fp8", checkpoint="fp8")
+    import ml_dtypes
+    w = np.zeros((out, n_in), ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ValueError, match="checkpoint lacks tensor 'x.weight_scale'"):
+        linear_leaves(fp8, getter({"x.weight": w}), "x", n_in, out)
+    with pytest.raises(ValueError, match="tensor x.weight is float32"):
+        linear_leaves(fp8, getter({"x.weight": w.astype(np.float32)}), "x", n_in, out)
+    with pytest.raises(ValueError, match=r"tensor x.qweight has shape \(96, 4\), expected \(96, 8\)"):
+        linear_leaves(QuantSpec("awq", bits=4, group_size=32), getter(
+            {"x.qweight": np.zeros((96, 4), np.int32)}), "x", n_in, out)
+
+
+def test_unknown_quantization_value_and_converted_folders(tmp_path):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="int3")
+    (tmp_path / "params").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    from jaxkv.engine.setup import load_params
+    from types import SimpleNamespace
+    with pytest.raises(ValueError, match="jaxkv convert"):
+        load_params(SimpleNamespace(load_format="auto", model=str(tmp_path)),
+                    SimpleNamespace(quant=QuantSpec("fp8")), None, None)

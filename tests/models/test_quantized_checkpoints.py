@@ -1,0 +1,202 @@
+"""Quantized checkpoints as their tools publish them, written here by the tests from a tiny
+random Llama: vLLM's fp8 format (per-tensor scales, static input scales), llm-compressor's
+compressed-tensors fp8 (per-channel), AutoAWQ's GEMM int4 (interleaved nibbles) and GPTQ int4
+(act-order g_idx, zero points stored minus one). Each is packed here from the layouts' own
+descriptions, not with jaxkv's code; transformers runs the same model with the dequantized
+float weights. jaxkv's logits equal those within 1e-3 relative (prefill, chunks and decode),
+and its greedy tokens equal transformers' on 4 prompts."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import save_file as save_numpy
+
+from jaxkv.engine_args import EngineArgs
+from jaxkv.loader.hf import load_hf_dir
+from jaxkv.models.llama import LlamaModel
+from jaxkv.models.model_config import ModelConfig
+from jaxkv.models.params import params_from_tensors
+from jaxkv.quantization import resolve
+from jaxkv.runner.model_runner import ModelRunner
+from tests.models.test_architectures import BLOCK, COMMON, run_paged
+
+GROUP = 32
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ packs column order_map[k] into nibble k
+
+
+def _int4_groups(w, groups):
+    """Round-to-nearest 4-bit with a zero point per group (lists of input indices) and output
+    channel: (q uint8 [in, out], zeros uint8 [G, out], scales float16 [G, out]); w float [in, out]."""
+    q = np.zeros(w.shape, np.uint8)
+    zeros = np.zeros((len(groups), w.shape[1]), np.uint8)
+    scales = np.zeros((len(groups), w.shape[1]), np.float16)
+    for g, rows in enumerate(groups):
+        lo, hi = w[rows].min(0), w[rows].max(0)
+        s = (np.maximum(hi - lo, 1e-6) / 15).astype(np.float16)
+        z = np.clip(np.round(-lo / s.astype(np.float32)), 1, 15)  # >= 1: GPTQ stores z - 1
+        q[rows] = np.clip(np.round(w[rows] / s.astype(np.float32)) + z, 0, 15)
+        zeros[g], scales[g] = z, s
+    return q, zeros, scales
+
+
+def _pack8(values, axis):
+    """Eight 4-bit values per int32 along `axis`, value 8j + k in nibble k (GPTQ's order)."""
+    v = np.moveaxis(values.astype(np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)
+    packed = sum(v[..., k] << (4 * k) for k in range(8))
+    return np.moveaxis(packed.astype(np.uint32).view(np.int32), -1, axis)
+
+
+def _awq(w):
+    """AutoAWQ GEMM tensors of w [out, in] and its dequantized float32 [out, in]."""
+    wt = w.T
+    groups = [list(range(i, i + GROUP)) for i in range(0, wt.shape[0], GROUP)]
+    q, z, s = _int4_groups(wt, groups)
+    inter = lambda a: a.reshape(a.shape[0], -1, 8)[:, :, AWQ_PACK_ORDER].reshape(a.shape)  # noqa: E731
+    tensors = {"qweight": _pack8(inter(q), 1), "qzeros": _pack8(inter(z), 1), "scales": s}
+    deq = (q.astype(np.float32) - np.repeat(z, GROUP, 0)) * np.repeat(s.astype(np.float32), GROUP, 0)
+    return tensors, deq.T
+
+
+def _gptq(w, rng):
+    """GPTQ (act-order) tensors of w [out, in] and its dequantized float32 [out, in]."""
+    wt = w.T
+    order = rng.permutation(wt.shape[0])  # the act-order: groups in this order of the inputs
+    groups = [order[i:i + GROUP] for i in range(0, wt.shape[0], GROUP)]
+    q, z, s = _int4_groups(wt, groups)
+    g_idx = np.empty(wt.shape[0], np.int32)
+    for g, rows in enumerate(groups):
+        g_idx[rows] = g
+    tensors = {"qweight": _pack8(q, 0), "qzeros": _pack8(z - 1, 1), "scales": s, "g_idx": g_idx}
+    deq = (q.astype(np.float32) - z[g_idx]) * s[g_idx].astype(np.float32)
+    return tensors, deq.T
+
+
+def _fp8(w, per_channel):
+    """fp8 e4m3 weight and its scale (per tensor, or [out, 1] per channel), and the dequantized."""
+    amax = np.abs(w).max(axis=1, keepdims=True) if per_channel else np.abs(w).max()
+    scale = (np.asarray(amax, np.float32) / 448.0).astype(np.float32)
+    q = (w / scale).astype(ml_dtypes.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale.reshape(-1, 1) if per_channel else scale.reshape(())}, \
+        q.astype(np.float32) * scale
+
+
+QUANT_CONFIGS = {
+    "fp8": {"quant_method": "fp8", "activation_scheme": "static"},
+    "compressed-tensors": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+            "dynamic": False}, "input_activations": {"num_bits": 8, "type": "float",
+                                                     "strategy": "token", "dynamic": True}}}},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
+            "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
+             "sym": False, "checkpoint_format": "gptq"},
+}
+
+
+def _write(fmt, path):
+    """A tiny Llama in format `fmt` at `path`, and transformers' model with the dequantized weights."""
+    from jaxkv.loader.gguf import embedded_model_path
+    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    state = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, w in state.items():
+        prefix = name[:-len(".weight")]
+        if not any(prefix.endswith(x) for x in LINEARS):
+            tensors[name] = w
+            continue
+        if fmt in ("fp8", "compressed-tensors"):
+            t, deq = _fp8(w, per_channel=fmt == "compressed-tensors")
+            if fmt == "fp8":
+                t["input_scale"] = np.asarray(0.05, np.float32)
+        else:
+            t, deq = _awq(w) if fmt == "awq" else _gptq(w, rng)
+        tensors.update({f"{prefix}.{k}": v for k, v in t.items()})
+        state[name] = deq
+    hf.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()})
+    fp8 = {k for k, v in tensors.items() if v.dtype == ml_dtypes.float8_e4m3fn}
+    _save(tensors, fp8, path / "model.safetensors")
+    config = {**cfg.to_dict(), "architectures": ["LlamaForCausalLM"],
+              "quantization_config": QUANT_CONFIGS[fmt]}
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
+    return hf
+
+
+def _save(tensors, fp8, file):
+    """safetensors through torch where numpy has no float8."""
+    if not fp8:
+        return save_numpy(tensors, str(file))
+    from safetensors.torch import save_file
+    out = {k: (torch.from_numpy(v.view(np.uint8)).view(torch.float8_e4m3fn) if k in fp8
+               else torch.from_numpy(np.ascontiguousarray(v))) for k, v in tensors.items()}
+    save_file(out, str(file))
+
+
+@pytest.fixture(scope="module", params=list(QUANT_CONFIGS))
+def quantized(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param.replace("-", "_"))
+    return request.param, _write(request.param, path), path
+
+
+def test_logits_equal_the_dequantized_float_model(quantized):
+    fmt, hf, path = quantized
+    ckpt = load_hf_dir(str(path))
+    mc = ModelConfig.from_hf_config(ckpt.config)
+    spec = resolve(None, ckpt.config, "cpu")
+    assert spec.name == fmt and not spec.online
+    model = LlamaModel(mc, quant=spec)
+    params = params_from_tensors(model, ckpt.tensors)
+    leaves = params["layers_0"]["q_proj"]
+    assert "kernel" not in leaves or leaves["kernel"].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
+                        max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
+                        max_logprobs=0).create_engine_config(
+                            platform="cpu", model_config=mc,
+                            quantization_config=ckpt.config["quantization_config"])
+    runner = ModelRunner(model, params, config)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, COMMON["vocab_size"], 41).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    blocks = rng.permutation(np.arange(1, 64))[:11].tolist()
+    for chunks in ([41], [16, 7, 18], [1] * 41):
+        got = run_paged(runner, ids, chunks, blocks)
+        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        assert err < 1e-3, f"{fmt} chunks={chunks[:3]}: relative logit difference {err}"
+
+
+def test_greedy_tokens_equal_transformers(quantized):
+    from jaxkv import LLM, SamplingParams
+
+    fmt, hf, path = quantized
+    llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=64, token_buckets=(8, 64),
+              kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
+    s = llm.stats()
+    assert s.quantization == fmt
+    float_bytes = sum(p.numel() * 4 for p in hf.parameters())
+    assert s.weights_bytes < float_bytes
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 9, 17, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert list(o.outputs[0].token_ids) == ref, fmt
