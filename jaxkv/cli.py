@@ -63,16 +63,23 @@ def cmd_plan(ns) -> int:
                                                        device_memory_bytes=device_memory_bytes(platform))
     mc, b, dtype = config.model_config, config.cache.budget, config.runner.dtype
     kv_dtype = config.runner.kv_cache_dtype
-    from jaxkv.engine_config import kv_tier_capacities
+    from jaxkv.engine_config import DTYPE_BYTES, kv_tier_capacities
+    from jaxkv.quantization import weights_bytes
     tiers = kv_tier_capacities(config)
+    quant = config.runner.quantization
+    weights = weights_bytes(mc, DTYPE_BYTES[dtype], quant)
     if ns.json:
-        print(json.dumps({"bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
+        print(json.dumps({"quantization": quant.name if quant else None, "weights_bytes": weights,
+                          "bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
                           "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4),
                           **({"kv_tiers": tiers} if tiers else {})}))
     else:
-        from jaxkv.engine_config import DTYPE_BYTES, KV_SCALE_BYTES, kv_heads_per_device
+        from jaxkv.engine_config import KV_SCALE_BYTES, kv_heads_per_device
         print(f"model: {ns.model or 'SmolLM2-135M-Instruct (embedded)'} ({mc.num_layers} layers, "
               f"{mc.num_kv_heads} KV heads x {mc.head_dim}, {dtype} on {platform})")
+        print(f"weights: {weights / 2**30:.2f} GiB ({mc.num_params() / 1e6:.1f} M params, "
+              + (f"decoder layers {quant.name}" + (" quantized at load" if quant.online else "")
+                 if quant else dtype) + ")")
         per_head = f"{mc.head_dim} x {DTYPE_BYTES[kv_dtype]}"
         if kv_dtype in KV_SCALE_BYTES:  # one scale per token and KV head
             per_head = f"({per_head} + {KV_SCALE_BYTES[kv_dtype]} scale)"

@@ -20,6 +20,7 @@ from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.structured_outputs.params import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.quantization import QuantSpec, weights_bytes
+from jaxkv.quantization import check_tensor_parallel as check_quantized_split
 from jaxkv.quantization import resolve as resolve_quantization
 
 logger = logging.getLogger("jaxkv")
@@ -261,6 +262,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                          f"must be less than max_num_batched_tokens ({mnbt}): a draft shares the "
                          "step's token budget with its request's own token")
     check_tensor_parallel(mc, args.tensor_parallel_size)
+    check_quantized_split(quant, mc, args.tensor_parallel_size)
     cache = _cache_config(args, mc, dtype, max_model_len, device_memory_bytes, quant)
     if num_processes > 1 and cache.num_host_blocks:  # also when the job came from JAX's environment
         raise ValueError("swap_space is not supported by a multi-process engine yet")

@@ -142,6 +142,11 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(s, field)))
             yield g
+        g = GaugeMetricFamily(f"{p}:weights_bytes", "Bytes the model's weights hold on the "
+                              "devices, by format (quantization none: the model's dtype).",
+                              labels=["model_name", "quantization"])
+        g.add_metric([self.model_name, s.quantization or "none"], float(s.weights_bytes))
+        yield g
         spec = bool(s.spec_decode_num_accepted_tokens_per_pos)  # speculative decoding is on
         for name, field, doc in _COUNTERS:
             if name.startswith("spec_decode") and not spec:

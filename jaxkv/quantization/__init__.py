@@ -74,6 +74,18 @@ def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
     return int(total - n * dtype_bytes + n * spec.bytes_per_weight())
 
 
+def check_tensor_parallel(spec: QuantSpec | None, mc, n: int) -> None:
+    """ValueError in one line when a tensor-parallel split of n devices would cut a group of
+    int4 inputs (o_proj and down_proj split along their inputs)."""
+    if spec is None or spec.bits != 4 or n == 1:
+        return
+    for name, dim in (("o_proj", mc.num_heads * mc.head_dim), ("down_proj", mc.intermediate_size)):
+        groups = dim // (spec.group_size or dim)
+        if groups % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the {groups} input groups of "
+                             f"{name} (quantization_config.group_size {spec.group_size or dim})")
+
+
 def resolve(asked: str | None, hf_config: dict, platform: str) -> QuantSpec | None:
     """The QuantSpec of `asked` (EngineArgs.quantization) and the checkpoint's
     quantization_config; None for float weights. ValueError in one line when they disagree,

@@ -138,3 +138,14 @@ def test_unknown_quantization_value_and_converted_folders(tmp_path):
     with pytest.raises(ValueError, match="jaxkv convert"):
         load_params(SimpleNamespace(load_format="auto", model=str(tmp_path)),
                     SimpleNamespace(quant=QuantSpec("fp8")), None, None)
+
+
+def test_a_tensor_parallel_split_keeps_int4_groups_whole():
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+    from jaxkv.quantization import check_tensor_parallel
+    mc = ModelConfig.from_hf_config(read_config(None))  # o_proj 576 inputs, down_proj 1536
+    check_tensor_parallel(QuantSpec("awq", bits=4, group_size=64), mc, 3)  # 9 and 24 groups
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the 9 input groups "
+                                         "of o_proj"):
+        check_tensor_parallel(QuantSpec("awq", bits=4, group_size=64), mc, 2)

@@ -104,13 +104,14 @@ QUANT_CONFIGS = {
 }
 
 
-def _write(fmt, path):
-    """A tiny Llama in format `fmt` at `path`, and transformers' model with the dequantized weights."""
+def _write(fmt, path, config: dict = COMMON):
+    """A tiny Llama (`config`: transformers LlamaConfig fields) in format `fmt` at `path` (a
+    pathlib.Path), and transformers' model with the dequantized weights."""
     from jaxkv.loader.gguf import embedded_model_path
     from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(**config, tie_word_embeddings=False)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     state = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
     rng = np.random.default_rng(0)

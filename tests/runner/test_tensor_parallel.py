@@ -90,3 +90,20 @@ def test_bad_values_fail_in_one_line():
     assert "pallas" in r["pallas_replicated"] and "(2)" in r["pallas_replicated"]
     for msg in r.values():
         assert "\n" not in msg
+
+
+def test_quantized_weights_split_and_give_the_tp1_tokens():
+    """fp8 and AWQ int4 weights at TP 2: the packed weights, scales and zero points split with
+    their kernel's axis (columns for q_proj, rows for o_proj), per-channel scales with the
+    columns, and the tokens are TP 1's."""
+    r = tp_run("quantized")
+    for name in ("fp8", "awq"):
+        assert r[f"{name}2"]["quantization"] == name
+        same_tokens(r[f"{name}2"], r[f"{name}1"], f"{name}, TP 2")
+    # (The AWQ model's odd vocabulary keeps its embedding and LM head replicated.)
+    assert max(r["fp82"]["param_bytes"]) < 0.6 * r["fp81"]["param_bytes"][0]
+    fp8, awq = r["fp82"]["leaves"], r["awq2"]["leaves"]
+    assert fp8 == {"q_proj.kernel": "P(None, 'tp')", "q_proj.scale": "P('tp',)",
+                   "o_proj.kernel": "P('tp', None)", "o_proj.scale": "P()"}
+    for leaf in ("qweight", "scales", "zeros"):
+        assert awq[f"q_proj.{leaf}"] == "P(None, 'tp')" and awq[f"o_proj.{leaf}"] == "P('tp', None)"

@@ -106,7 +106,35 @@ def main(case: str) -> dict:
         a = LLM(model=d, tensor_parallel_size=2, **ENGINE)
         b = LLM(model=d, **ENGINE)
         return {"tp2": {**run(a, prompts, 6), **layout(a)}, "tp1": run(b, prompts, 6)}
+    if case == "quantized":
+        return quantized(prompts)
     raise SystemExit(f"unknown case {case!r}")
+
+
+def quantized(prompts) -> dict:
+    """fp8 (a float folder quantized at load) and AWQ int4 (a folder written in AutoAWQ's
+    layout) at TP 1 and 2: tokens and where the quantized leaves live."""
+    import pathlib
+
+    from jaxkv import LLM
+    from jaxkv.models.sharding import bytes_per_device
+    from tests.models.test_architectures import COMMON
+    from tests.models.test_quantized_checkpoints import _write
+    awq = pathlib.Path(tempfile.mkdtemp())
+    _write("awq", awq, {**COMMON, "intermediate_size": 128})  # 4 groups of 32: 2 per device
+    out = {}
+    for name, folder, kw in (("fp8", tiny_folder_with_weights(), dict(quantization="fp8")),
+                             ("awq", str(awq), {})):
+        for tp in (1, 2):
+            llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE, **kw)
+            p = llm.llm_engine.runner.params["layers_0"]
+            spec = lambda x: str(getattr(x.sharding, "spec", "single"))  # noqa: E731
+            out[f"{name}{tp}"] = {**run(llm, prompts, 8), "quantization": llm.stats().quantization,
+                                  "leaves": {f"{m}.{k}": spec(v) for m in ("q_proj", "o_proj")
+                                             for k, v in p[m].items()},
+                                  "param_bytes": bytes_per_device(llm.llm_engine.runner.params)}
+            llm.llm_engine.shutdown()
+    return out
 
 
 def tiny_folder_with_weights(c: dict = TINY) -> str:
