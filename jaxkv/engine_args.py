@@ -65,7 +65,8 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "the decoder layers' weights quantized (vLLM's names): fp8 (float8 weights; a float "
         "checkpoint is quantized at load), awq or gptq (4-bit checkpoints), compressed-tensors "
-        "(llm-compressor's fp8); default: the checkpoint's quantization_config, else float",
+        "(llm-compressor's fp8), gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are); "
+        "default: the checkpoint's quantization_config (a GGUF file: float), else float",
         choices=QUANTIZATIONS)
     kv_cache_dtype: str = _arg("auto", "dtype of the KV pool: auto = the model's dtype; bfloat16 "
                                "or float16 hold 2x the tokens of float32; int8, fp8 (= fp8_e4m3) "

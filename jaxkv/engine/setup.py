@@ -92,7 +92,8 @@ def build_engine(cls, args):
     if multiprocess.wanted(args):  # before JAX starts its backends
         multiprocess.initialize(args)
     enable_compilation_cache()
-    ckpt = load_checkpoint(args.model, args.load_format)
+    ckpt = load_checkpoint(args.model, args.load_format, keep_quantized=args.quantization == "gguf",
+                           with_tokenizer=args.tokenizer is None)
     tokenizer = ckpt.tokenizer if args.tokenizer is None else load_tokenizer(args.tokenizer)
     if args.tokenizer is not None:
         logger.info("tokenizer: %s (not the model's own)", args.tokenizer)

@@ -89,7 +89,19 @@ def _config(meta: dict, infos: dict) -> dict[str, Any]:
         "rope_scaling": _rope_scaling(meta, arch, head_dim, rope_theta),
         "attention_bias": "blk.0.attn_q.bias" in infos,
         "sliding_window": key("attention.sliding_window", None),
+        # The weights' block types, for --quantization gguf (the default dequantizes them).
+        "quantization_config": {"quant_method": "gguf", "tensor_types": _tensor_types(infos)},
     }
+
+
+def _tensor_types(infos: dict) -> dict[str, str]:
+    """GGML type names of the weights a quantized load keeps: the layers' linear tensors, the
+    embedding and the LM head."""
+    from gguf import GGMLQuantizationType
+    keep = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+    return {n: GGMLQuantizationType(kind).name for n, (_, kind, _) in infos.items()
+            if n in ("token_embd.weight", "output.weight")
+            or (n.endswith(".weight") and n.split(".")[-2] in keep)}
 
 
 def _rope_scaling(meta: dict, arch: str, head_dim: int, rope_theta: float) -> dict | None:
@@ -155,16 +167,22 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True) -> Checkpoint:
+def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
+              keep_quantized: bool = False) -> Checkpoint:
     """Load a GGUF file: config, every tensor float32 [out, in] under its HF name, tokenizer.
 
     Llama-family q/k weights and biases are un-permuted (Qwen2/Qwen3 files are not permuted;
     transformers treats them the same way). with_tokenizer=False leaves Checkpoint.tokenizer None.
+    keep_quantized (--quantization gguf): the layers' linear weights and the embedding of
+    types Q8_0 / Q4_0 / Q4_1 come as jaxkv.quantization.gguf.GGUFBlocks instead.
     Raises FileNotFoundError / ValueError as `read_gguf_config` does, ValueError for unknown tensors,
     NotImplementedError (from gguf) for a quantization type it cannot dequantize.
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
+
+    from jaxkv.quantization.gguf import KINDS as GGUF_KINDS
+    from jaxkv.quantization.gguf import from_raw as gguf_blocks
 
     path = os.fspath(path)
     meta, infos = read_gguf_metadata(path)
@@ -182,10 +200,16 @@ def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True) -> Checkp
         shape = [int(d) for d in reversed(dims)]  # numpy order: [out, in]
         row_bytes = shape[-1] // block * block_bytes
         raw = data[offset:offset + math.prod(shape[:-1]) * row_bytes]
-        w = dequantize(raw.reshape(*shape[:-1], row_bytes), kind).reshape(shape)
         leaf = gguf_name.split(".")[-2]
-        if permuted and leaf in heads:
-            w = unpermute_qk(w, heads[leaf])
+        unpermute = (lambda w: unpermute_qk(w, heads[leaf])) if permuted and leaf in heads else None
+        if keep_quantized and kind.name in GGUF_KINDS and gguf_name in config["quantization_config"]["tensor_types"] \
+                and gguf_name != "output.weight":
+            blocks = gguf_blocks(raw.reshape(shape[0], row_bytes), kind.name, tuple(shape))
+            tensors[name] = blocks.rows(unpermute) if unpermute else blocks
+            continue
+        w = dequantize(raw.reshape(*shape[:-1], row_bytes), kind).reshape(shape)
+        if unpermute:
+            w = unpermute(w)
         # F32/F16 views of the file are copied so no array keeps the file mapped.
         tensors[name] = np.array(w, dtype=np.float32, copy=True if np.may_share_memory(w, data) else None)
     del data

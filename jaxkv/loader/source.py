@@ -15,9 +15,12 @@ def is_converted(path: str | None) -> bool:
             and os.path.isfile(os.path.join(path, "config.json")))
 
 
-def load_checkpoint(model: str | None, load_format: str = "auto"):
+def load_checkpoint(model: str | None, load_format: str = "auto", keep_quantized: bool = False,
+                    with_tokenizer: bool = True):
     """Returns a Checkpoint (tensors empty for load_format="dummy", and for a converted folder,
-    whose params the engine restores with converted.restore_params).
+    whose params the engine restores with converted.restore_params). keep_quantized: a GGUF
+    file's Q8_0 / Q4_0 / Q4_1 weights stay in blocks (--quantization gguf; see load_gguf).
+    with_tokenizer=False: a GGUF file's tokenizer is not built (another one was given).
 
     Raises FileNotFoundError for a path that does not exist and ValueError for a format that
     does not match the path.
@@ -40,8 +43,9 @@ def load_checkpoint(model: str | None, load_format: str = "auto"):
         from jaxkv.loader.gguf import load_gguf, read_gguf_config
         if dummy:
             from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
-            return Checkpoint(read_gguf_config(model), {}, tokenizer_from_gguf(model))
-        return load_gguf(model)
+            return Checkpoint(read_gguf_config(model), {},
+                              tokenizer_from_gguf(model) if with_tokenizer else None)
+        return load_gguf(model, keep_quantized=keep_quantized, with_tokenizer=with_tokenizer)
     if is_converted(model) and load_format in ("auto", "dummy"):
         from transformers import AutoTokenizer
         return Checkpoint(read_config(model), {}, AutoTokenizer.from_pretrained(model))

@@ -112,6 +112,25 @@ def matmul(x, layers, cpu: bool) -> list:
     return [y if b is None else y + b for y, (_, b) in zip(ys, weights)]
 
 
+class QuantizedEmbed(nn.Module):
+    """The embedding kept in quantized blocks (gguf): leaves [hidden, vocab], the LM head's
+    orientation (jaxkv/quantization/linear.py). `__call__(ids)` -> [T, hidden] (only those
+    columns dequantized); `attend(x)` -> x @ table^T [T, vocab]."""
+    vocab_size: int
+    hidden_size: int
+    dtype: jnp.dtype
+    quant: QuantSpec
+
+    def setup(self):
+        self.weights = qlinear.declare(self, self.quant, self.hidden_size, self.vocab_size)
+
+    def __call__(self, ids):
+        return qlinear.take_columns(self.weights, ids, self.quant, self.dtype)
+
+    def attend(self, x):
+        return qlinear.apply(x, self.weights, self.quant, self.dtype)
+
+
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -163,8 +182,12 @@ class LlamaModel(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
-                                     param_dtype=self.dtype, name="embed_tokens")
+        if self.quant is not None and self.quant.embedding_bits:
+            self.embed_tokens = QuantizedEmbed(c.vocab_size, c.hidden_size, self.dtype,
+                                               qlinear.embedding_spec(self.quant), name="embed_tokens")
+        else:
+            self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
+                                         param_dtype=self.dtype, name="embed_tokens")
         self.layers = [DecoderLayer(c, self.dtype, self.attention, self.cpu_matmul, self.quant,
                                     name=f"layers_{i}")
                        for i in range(c.num_layers)]
@@ -190,6 +213,8 @@ class LlamaModel(nn.Module):
     def logits(self, hidden):
         if not self.cfg.tie_word_embeddings:
             return matmul(hidden, [self.lm_head], self.cpu_matmul)[0].astype(jnp.float32)
+        if isinstance(self.embed_tokens, QuantizedEmbed):
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
         table = self.embed_tokens.embedding  # [vocab, hidden]: x @ table^T
         if self.cpu_matmul and cpu_linear.applies(hidden, table, transposed=True):
             return cpu_linear.matmul(hidden, table, transposed=True)[0]

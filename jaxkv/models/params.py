@@ -12,6 +12,8 @@ import numpy as np
 
 from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.models.model_config import ModelConfig
+from jaxkv.quantization import gguf
+from jaxkv.quantization.gguf import GGUFBlocks
 from jaxkv.quantization.load import linear_leaves, quantize
 from jaxkv.step_input import StepInput
 
@@ -52,9 +54,10 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
     def get(name):
         if name not in tensors:
             raise ValueError(f"checkpoint lacks tensor {name!r}")
-        return np.asarray(tensors[name])
+        t = tensors[name]
+        return t if isinstance(t, GGUFBlocks) else np.asarray(t)
 
-    out = {"embed_tokens": {"embedding": get("model.embed_tokens.weight")},
+    out = {"embed_tokens": _embedding(model, get("model.embed_tokens.weight")),
            "norm": {"weight": get("model.norm.weight")}}
     if not c.tie_word_embeddings:
         out["lm_head"] = {"kernel": get("lm_head.weight").T}
@@ -74,6 +77,16 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
                 a = get(f"{prefix}.{'bias' if leaf == 'bias' else 'weight'}")
                 layer[mod][leaf] = a.T if transpose and leaf == "kernel" else a
     return _checked(shapes, out)
+
+
+def _embedding(model, table) -> dict:
+    """The embedding's leaves: the float table [vocab, hidden], or gguf blocks kept."""
+    bits = model.quant.embedding_bits if model.quant is not None else None
+    if bits is None:
+        return {"embedding": table.dequantize() if isinstance(table, GGUFBlocks) else table}
+    if not isinstance(table, GGUFBlocks):
+        table = gguf.quantize(np.asarray(table, np.float32), bits)
+    return gguf.leaves(table, bits)
 
 
 def _checked(shapes, out):
@@ -118,6 +131,7 @@ def dummy_params(model, seed: int = 0) -> dict:
 def _quantized(model, float_params) -> dict:
     """The decoder layers' float kernels of `float_params` quantized to `model.quant`."""
     out = jax.tree.map(np.asarray, float_params)
+    out["embed_tokens"] = _embedding(model, out["embed_tokens"]["embedding"])
     for i in range(model.cfg.num_layers):
         for mod, leaves in out[f"layers_{i}"].items():
             if "kernel" in leaves:

@@ -59,8 +59,8 @@ def param_specs(params, cfg, mesh: Mesh):
             return P(None, AXIS) if x.ndim == 2 else P(AXIS)
         if module in rows and x.ndim == 2:  # the kernel, packed weights, groups' scales, zeros
             return P(AXIS, None)
-        if module == "embed_tokens" and vocab:
-            return P(AXIS, None)  # [vocab, hidden]
+        if module == "embed_tokens" and vocab:  # [vocab, hidden]; gguf blocks [.., vocab]
+            return P(AXIS, None) if leaf == "embedding" else P(None, AXIS)
         if module == "lm_head" and leaf == "kernel" and vocab:
             return P(None, AXIS)  # [hidden, vocab]
         return P()

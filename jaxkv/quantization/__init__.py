@@ -1,6 +1,6 @@
 """Weight quantization (vLLM's --quantization): the format the decoder layers' linear weights
 (q, k, v, o, gate, up, down) are kept in on the device, decided once from the flag and the
-checkpoint's ``quantization_config``. The LM head and the embedding stay in the model's dtype.
+checkpoint's ``quantization_config``. The LM head and the embedding stay in the model's dtype (but for gguf).
 
 - ``fp8``: float8 e4m3 weights, a float32 scale per output channel (a per-tensor scale is
   broadcast). A float checkpoint is quantized at load (max|W| / 448 per output channel, where
@@ -12,6 +12,10 @@ checkpoint's ``quantization_config``. The LM head and the embedding stay in the 
   128 by default) with a float16 scale and an integer zero point per group and output channel,
   as AutoAWQ's GEMM layout and GPTQ's (act-order ``g_idx`` included) store them; unpacked at
   load into one layout (two values per byte), dequantized inside the matmul.
+- ``gguf``: a GGUF file's Q8_0, Q4_0 and Q4_1 blocks (groups of 32 inputs, a float16 scale and
+  min each: jaxkv/quantization/gguf.py) kept in that form for the layers and the embedding
+  (which also serves as a tied LM head); the default for a GGUF file stays float weights
+  (dequantized at load).
 
 jaxkv/quantization/linear.py declares and applies the layers' leaves (JAX);
 jaxkv/quantization/load.py turns checkpoint tensors into them (numpy).
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors")
+QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 
 
@@ -33,7 +37,8 @@ class QuantSpec:
     one scale per output channel, fp8); act_order: GPTQ's g_idx reorders the inputs;
     fp8_activations: W8A8 (a GPU); online: quantized at load from float weights; checkpoint:
     the quant_method as the checkpoint names it (None when quantized at load); zero_offset:
-    added to the stored zero points (1 for GPTQ's original format).
+    added to the stored zero points (1 for GPTQ's original format); embedding_bits: gguf's
+    embedding kept in blocks of that many bits (None: in the model's dtype).
     """
 
     method: str
@@ -44,6 +49,7 @@ class QuantSpec:
     online: bool = False
     checkpoint: str | None = None
     zero_offset: int = 0  # GPTQ's original format stores each zero point minus one
+    embedding_bits: int | None = None  # gguf: the embedding kept quantized in this many bits
 
     @property
     def name(self) -> str:
@@ -55,7 +61,7 @@ class QuantSpec:
         if self.method == "fp8":
             return 1.0
         group = self.group_size or 128
-        return self.bits / 8 + (2 + 1) / group  # float16 scale, uint8 zero point
+        return self.bits / 8 + (2 + (2 if self.method == "gguf" else 1)) / group  # scale, zero / min
 
 
 def linear_params(mc) -> int:
@@ -70,7 +76,7 @@ def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
     total = mc.num_params() * dtype_bytes
     if spec is None:
         return total
-    n = linear_params(mc)
+    n = linear_params(mc) + (mc.vocab_size * mc.hidden_size if spec.embedding_bits else 0)
     return int(total - n * dtype_bytes + n * spec.bytes_per_weight())
 
 
@@ -94,14 +100,22 @@ def resolve(asked: str | None, hf_config: dict, platform: str) -> QuantSpec | No
     if asked is not None and asked not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {asked!r}")
     if not qc:
-        if asked in (None,):
+        if asked is None:
             return None
+        if asked == "gguf":
+            raise ValueError("quantization='gguf' needs a .gguf model file")
         if asked == "fp8":
             return QuantSpec("fp8", fp8_activations=platform == "gpu", online=True)
         raise ValueError(f"quantization={asked!r} needs a checkpoint quantized that way (its "
                          "config.json has no quantization_config); jaxkv quantizes float "
                          "weights at load to fp8 only")
     method = qc.get("quant_method")
+    if method == "gguf":  # a GGUF file: float weights unless its blocks (or fp8) are asked for
+        if asked == "fp8":
+            return QuantSpec("fp8", fp8_activations=platform == "gpu", online=True)
+        return None if asked is None else _gguf(asked, qc)
+    if asked == "gguf":
+        raise ValueError("quantization='gguf' needs a .gguf model file")
     if asked is not None and asked != method:
         raise ValueError(f"quantization={asked!r} does not match the checkpoint's "
                          f"quantization_config.quant_method {method!r}")
@@ -157,3 +171,22 @@ def _int4_checkpoint(method: str, qc: dict) -> QuantSpec:
     return QuantSpec(method, bits=4, group_size=None if group == -1 else group,
                      act_order=bool(qc.get("desc_act", False)), checkpoint=method,
                      zero_offset=1 if v1 else 0)
+
+
+def _gguf(asked: str, qc: dict) -> QuantSpec:
+    """The layers' blocks: 4-bit storage when every linear tensor is Q4_0 / Q4_1, 8-bit when
+    some are Q8_0; the embedding kept when its type is one of those."""
+    from jaxkv.quantization.gguf import KINDS
+    if asked != "gguf":
+        raise ValueError(f"quantization={asked!r} does not match a GGUF file (gguf keeps its "
+                         "blocks, fp8 quantizes its weights at load; none: float weights)")
+    types = qc["tensor_types"]
+    layers = {n: k for n, k in types.items() if n.startswith("blk.")}
+    bad = next((n for n, k in layers.items() if k not in KINDS), None)
+    if bad is not None:
+        raise ValueError(f"tensor {bad} is {layers[bad]}; --quantization gguf keeps "
+                         f"{', '.join(KINDS)} blocks (leave it unset for float weights)")
+    bits = 4 if all(k != "Q8_0" for k in layers.values()) else 8
+    embed = types.get("token_embd.weight")
+    return QuantSpec("gguf", bits=bits, group_size=32, checkpoint="gguf",
+                     embedding_bits=(8 if embed == "Q8_0" else 4) if embed in KINDS else None)

@@ -6,6 +6,10 @@ Leaves by QuantSpec.method (kernel layout [in, out], as jaxkv's float kernels):
   high one), "scales" float16 [groups, out], "zeros" uint8 [groups, out] (the zero points as
   stored, before QuantSpec.zero_offset), and with act-order "perm" int32 [in] (the inputs in
   group order); W[i] = (q[i] - zero[g] - zero_offset) * scale[g] for the group g of input i.
+- gguf: "qweight" as above for 4 bits, int8 [in, out] for 8, "scales" and "mins" float16
+  [in / 32, out]; W[i] = q[i] * scale[g] + min[g] (jaxkv/quantization/gguf.py).
+The embedding kept quantized (gguf) is a layer of these leaves too, [hidden, vocab]: the LM
+head's orientation (`QuantizedEmbed` in jaxkv/models/llama.py).
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ def leaf_shapes(spec: QuantSpec, in_features: int, out: int) -> dict:
     if spec.method == "fp8":
         return {"kernel": ((in_features, out), jnp.float8_e4m3fn), "scale": ((out,), jnp.float32)}
     g = num_groups(spec, in_features)
-    leaves = {"qweight": ((in_features // 2, out), jnp.uint8), "scales": ((g, out), jnp.float16),
-              "zeros": ((g, out), jnp.uint8)}
+    packed = ((in_features // 2, out), jnp.uint8) if spec.bits == 4 else ((in_features, out), jnp.int8)
+    leaves = {"qweight": packed, "scales": ((g, out), jnp.float16)}
+    if spec.method == "gguf":
+        leaves["mins"] = ((g, out), jnp.float16)
+    else:
+        leaves["zeros"] = ((g, out), jnp.uint8)
     if spec.act_order:
         leaves["perm"] = ((in_features,), jnp.int32)
     return leaves
@@ -42,12 +50,16 @@ def dequantize(w: dict, spec: QuantSpec, dtype) -> jax.Array:
     """The layer's weights [in, out] in `dtype` (float32 arithmetic)."""
     if spec.method == "fp8":
         return (w["kernel"].astype(jnp.float32) * w["scale"]).astype(dtype)
-    packed = w["qweight"]
-    q = jnp.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[-1])
+    q = w["qweight"]
+    if spec.bits == 4:
+        q = jnp.stack([q & 15, q >> 4], axis=1).reshape(-1, q.shape[-1])
     groups = w["scales"].shape[0]
     q = q.astype(jnp.float32).reshape(groups, -1, q.shape[-1])
-    zeros = w["zeros"].astype(jnp.float32) + spec.zero_offset
-    out = (q - zeros[:, None]) * w["scales"].astype(jnp.float32)[:, None]
+    if "zeros" in w:
+        q = q - (w["zeros"].astype(jnp.float32) + spec.zero_offset)[:, None]
+    out = q * w["scales"].astype(jnp.float32)[:, None]
+    if "mins" in w:
+        out = out + w["mins"].astype(jnp.float32)[:, None]
     return out.reshape(-1, out.shape[-1]).astype(dtype)
 
 
@@ -68,3 +80,15 @@ def apply(x: jax.Array, w: dict, spec: QuantSpec, dtype) -> jax.Array:
     if "perm" in w:
         x = jnp.take(x, w["perm"], axis=-1)
     return x.astype(dtype) @ dequantize(w, spec, dtype)
+
+
+def embedding_spec(spec: QuantSpec) -> QuantSpec:
+    """The spec of gguf's embedding kept quantized (its own bits)."""
+    return QuantSpec("gguf", bits=spec.embedding_bits, group_size=spec.group_size)
+
+
+def take_columns(w: dict, ids: jax.Array, spec: QuantSpec, dtype) -> jax.Array:
+    """Rows `ids` of an embedding held as [hidden, vocab] leaves: [len(ids), hidden] in
+    `dtype` (only those columns are dequantized)."""
+    cols = {k: jnp.take(v, ids, axis=1) for k, v in w.items()}
+    return dequantize(cols, spec, dtype).T

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.quantization import FP8_MAX, QuantSpec
+from jaxkv.quantization import FP8_MAX, QuantSpec, gguf
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ int32 holds column AWQ_ORDER[k]
 
@@ -54,7 +54,9 @@ def quantize_int4(w: np.ndarray, spec: QuantSpec) -> dict:
 
 
 def quantize(w: np.ndarray, spec: QuantSpec) -> dict:
-    """Float [in, out] -> the leaves of `spec` (fp8, or int4 for awq / gptq)."""
+    """Float [in, out] -> the leaves of `spec` (fp8, int4 for awq / gptq, gguf blocks)."""
+    if spec.method == "gguf":
+        return gguf.leaves(gguf.quantize(np.asarray(w, np.float32).T, spec.bits), spec.bits)
     return quantize_fp8(w) if spec.method == "fp8" else quantize_int4(w, spec)
 
 
@@ -78,6 +80,8 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
     """The leaves of the layer `prefix` (e.g. "model.layers.0.self_attn.q_proj"). `get(name)`
     returns a checkpoint tensor or raises ValueError naming it. ValueError naming the tensor
     for a missing tensor, a wrong shape, or a group size that does not divide the inputs."""
+    if spec.method == "gguf":
+        return _gguf_leaves(get(f"{prefix}.weight"), spec, prefix, n_in, out)
     if spec.method == "fp8" and spec.online:
         return quantize_fp8(np.asarray(get(f"{prefix}.weight"), np.float32).T)
     if spec.method == "fp8":
@@ -123,6 +127,15 @@ def _gptq_order(get, prefix: str, q: np.ndarray, g: int, spec: QuantSpec, leaves
     perm = np.argsort(g_idx, kind="stable")
     leaves["perm"] = perm.astype(np.int32)
     return q[perm]
+
+
+def _gguf_leaves(blocks, spec: QuantSpec, prefix: str, n_in: int, out: int) -> dict:
+    if not isinstance(blocks, gguf.GGUFBlocks):
+        raise ValueError(f"tensor {prefix}.weight is not in GGUF blocks (quantization gguf "
+                         "reads a .gguf file's Q8_0 / Q4_0 / Q4_1 tensors)")
+    if blocks.shape != (out, n_in):
+        raise ValueError(f"tensor {prefix}.weight has shape {blocks.shape}, expected {(out, n_in)}")
+    return gguf.leaves(blocks, spec.bits)
 
 
 def _fp8_leaves(get, prefix: str, n_in: int, out: int) -> dict:

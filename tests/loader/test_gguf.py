@@ -137,8 +137,10 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, arch, *, bias=False, qk_norm=False, tied=True, head_dim=16, extra=None):
-    """Write random F32 HF tensors as a GGUF named the llama.cpp way; returns the HF tensors."""
+def write_tiny_gguf(path, arch, *, bias=False, qk_norm=False, tied=True, head_dim=16, extra=None,
+                    add_tensor=None):
+    """Write random F32 HF tensors as a GGUF named the llama.cpp way; returns the HF tensors.
+    add_tensor(writer, gguf_name, w): writes a tensor its own way (True) or leaves it (False)."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -176,7 +178,8 @@ def write_tiny_gguf(path, arch, *, bias=False, qk_norm=False, tied=True, head_di
         leaf = reverse[name].split(".")[-2]
         if arch == "llama" and leaf in ("attn_q", "attn_k"):
             w = llama_cpp_permute(w, heads if leaf == "attn_q" else kv_heads)
-        writer.add_tensor(reverse[name], np.ascontiguousarray(w))
+        if add_tensor is None or not add_tensor(writer, reverse[name], np.ascontiguousarray(w)):
+            writer.add_tensor(reverse[name], np.ascontiguousarray(w))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     return hf
