@@ -47,8 +47,12 @@ def run_cli(*args):
 def test_plan_json_and_one_line_errors():
     r = run_cli("plan", "--max-model-len", "2048", "--kv-cache-memory-bytes", "1GiB", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"bytes_per_token": 46080, "num_blocks": 1456, "num_tokens": 23296,
+    assert json.loads(r.stdout) == {"quantization": None, "weights_bytes": 538060032,
+                                    "bytes_per_token": 46080, "num_blocks": 1456, "num_tokens": 23296,
                                     "max_concurrency": 11.375}
+    r = run_cli("plan", "--quantization", "gguf", "--json")  # the embedded file's blocks kept
+    assert json.loads(r.stdout)["quantization"] == "gguf", r.stderr
+    assert json.loads(r.stdout)["weights_bytes"] < 0.25 * 538060032
     # Tensor parallelism: the budget is per device, a device holds one of SmolLM2's 3 KV heads.
     r = run_cli("plan", "--max-model-len", "2048", "--kv-cache-memory-bytes", "1GiB", "--json",
                 "--tensor-parallel-size", "3")
