@@ -14,7 +14,8 @@ from jaxkv.attention.kv_pool import new_kv_pool
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.quantization import gguf
 from jaxkv.quantization.gguf import GGUFBlocks
-from jaxkv.quantization.load import linear_leaves, quantize
+from jaxkv.quantization import linear as qlinear
+from jaxkv.quantization.load import linear_leaves
 from jaxkv.step_input import StepInput
 
 _LAYER_MAP = {  # flax module -> (HF suffix, transpose)
@@ -110,32 +111,22 @@ def _linear_dims(c: ModelConfig, module: str) -> tuple[int, int]:
 
 def dummy_params(model, seed: int = 0) -> dict:
     """Random weights of the configured shapes (load_format="dummy"): normal(0, 0.02), norms 1;
-    with quantization, those of the float model quantized (jaxkv/quantization/load.py)."""
-    if model.quant is not None:
-        return _quantized(model, dummy_params(model.clone(quant=None), seed))
+    quantized leaves drawn on the device in their own format, weights of about that size
+    (jaxkv/quantization/linear.py dummy_leaf: an 8B model's in seconds)."""
     shapes = param_shapes(model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     key = jax.random.PRNGKey(seed)
     out = []
     for i, (path, s) in enumerate(leaves):
-        last = str(getattr(path[-1], "key", path[-1]))
+        names = [str(getattr(p, "key", p)) for p in path]
+        last, k = names[-1], jax.random.fold_in(key, i)
         if last == "weight":
             out.append(jnp.ones(s.shape, s.dtype))
         elif last == "bias":
             out.append(jnp.zeros(s.shape, s.dtype))
+        elif model.quant is not None and last in qlinear.LEAVES and (last != "kernel" or s.dtype != model.dtype):
+            spec = qlinear.embedding_spec(model.quant) if names[0] == "embed_tokens" else model.quant
+            out.append(qlinear.dummy_leaf(last, s.shape, s.dtype, k, spec))
         else:
-            out.append((0.02 * jax.random.normal(jax.random.fold_in(key, i), s.shape)).astype(s.dtype))
+            out.append((0.02 * jax.random.normal(k, s.shape)).astype(s.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _quantized(model, float_params) -> dict:
-    """The decoder layers' float kernels of `float_params` quantized to `model.quant`."""
-    out = jax.tree.map(np.asarray, float_params)
-    out["embed_tokens"] = _embedding(model, out["embed_tokens"]["embedding"])
-    for i in range(model.cfg.num_layers):
-        for mod, leaves in out[f"layers_{i}"].items():
-            if "kernel" in leaves:
-                bias = leaves.get("bias")
-                leaves = quantize(leaves["kernel"], model.quant)
-                out[f"layers_{i}"][mod] = leaves if bias is None else {**leaves, "bias": bias}
-    return _checked(param_shapes(model), out)

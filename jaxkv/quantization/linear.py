@@ -20,6 +20,9 @@ import jax.numpy as jnp
 from jaxkv.quantization import FP8_MAX, QuantSpec
 
 
+LEAVES = ("kernel", "scale", "qweight", "scales", "zeros", "mins", "perm")
+
+
 def num_groups(spec: QuantSpec, in_features: int) -> int:
     return 1 if spec.group_size is None else in_features // spec.group_size
 
@@ -92,3 +95,26 @@ def take_columns(w: dict, ids: jax.Array, spec: QuantSpec, dtype) -> jax.Array:
     `dtype` (only those columns are dequantized)."""
     cols = {k: jnp.take(v, ids, axis=1) for k, v in w.items()}
     return dequantize(cols, spec, dtype).T
+
+
+def dummy_leaf(name: str, shape: tuple, dtype, key, spec: QuantSpec) -> jax.Array:
+    """Random values of a quantized leaf (load_format="dummy") whose weights come out about
+    normal(0, 0.02): drawn on the device, no float copy of the model is ever made."""
+    bits8 = spec.bits == 8 and spec.method != "fp8"
+    step = 0.02 / (73.0 if bits8 else 4.6)  # the std of uniform int8 / uint4 values
+    if name == "kernel":  # fp8
+        return jnp.clip(jax.random.normal(key, shape) * 112.0, -FP8_MAX, FP8_MAX).astype(dtype)
+    if name == "scale":
+        return jnp.full(shape, 0.02 / 112.0, dtype)
+    if name == "qweight":
+        lo, hi = (-127, 128) if jnp.dtype(dtype) == jnp.int8 else (0, 256)
+        return jax.random.randint(key, shape, lo, hi, jnp.int32).astype(dtype)
+    if name == "scales":
+        return jnp.full(shape, step, dtype)
+    if name == "zeros":
+        return jnp.full(shape, 8 - spec.zero_offset, dtype)
+    if name == "mins":
+        return jnp.full(shape, 0.0 if bits8 else -8 * step, dtype)
+    if name == "perm":
+        return jnp.arange(shape[0], dtype=dtype)
+    raise ValueError(f"no dummy values for leaf {name!r}")

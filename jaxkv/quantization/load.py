@@ -36,8 +36,7 @@ def quantize_fp8(w: np.ndarray) -> dict:
 
 
 def quantize_int4(w: np.ndarray, spec: QuantSpec) -> dict:
-    """Float [in, out] -> int4 leaves, round to nearest per group with a zero point (random
-    weights for dummy loads and benchmarks)."""
+    """Float [in, out] -> int4 leaves, round to nearest per group with a zero point."""
     w = np.asarray(w, np.float32)
     n_in, out = w.shape
     g = spec.group_size or n_in
@@ -51,13 +50,6 @@ def quantize_int4(w: np.ndarray, spec: QuantSpec) -> dict:
     if spec.act_order:
         leaves["perm"] = np.arange(n_in, dtype=np.int32)
     return leaves
-
-
-def quantize(w: np.ndarray, spec: QuantSpec) -> dict:
-    """Float [in, out] -> the leaves of `spec` (fp8, int4 for awq / gptq, gguf blocks)."""
-    if spec.method == "gguf":
-        return gguf.leaves(gguf.quantize(np.asarray(w, np.float32).T, spec.bits), spec.bits)
-    return quantize_fp8(w) if spec.method == "fp8" else quantize_int4(w, spec)
 
 
 def _pack_rows(q: np.ndarray) -> np.ndarray:
