@@ -69,7 +69,9 @@ def cmd_plan(ns) -> int:
     quant = config.runner.quantization
     weights = weights_bytes(mc, DTYPE_BYTES[dtype], quant)
     if ns.json:
-        print(json.dumps({"quantization": quant.name if quant else None, "weights_bytes": weights,
+        moe = ({"num_params": mc.num_params(), "num_active_params": mc.num_params(active=True)}
+               if mc.num_experts else {})
+        print(json.dumps({"quantization": quant.name if quant else None, "weights_bytes": weights, **moe,
                           "bytes_per_token": b.bytes_per_token, "num_blocks": b.num_blocks,
                           "num_tokens": b.num_tokens, "max_concurrency": round(b.max_concurrency, 4),
                           **({"kv_tiers": tiers} if tiers else {})}))
@@ -77,6 +79,10 @@ def cmd_plan(ns) -> int:
         from jaxkv.engine_config import KV_SCALE_BYTES, kv_heads_per_device
         print(f"model: {ns.model or 'SmolLM2-135M-Instruct (embedded)'} ({mc.num_layers} layers, "
               f"{mc.num_kv_heads} KV heads x {mc.head_dim}, {dtype} on {platform})")
+        if mc.num_experts:
+            print(f"experts: {mc.num_experts} per MoE layer ({len(mc.moe_layers)} of "
+                  f"{mc.num_layers} layers), {mc.num_experts_per_tok} per token: "
+                  f"{mc.num_params(active=True) / 1e6:.1f} M of the params active per token")
         print(f"weights: {weights / 2**30:.2f} GiB ({mc.num_params() / 1e6:.1f} M params, "
               + (f"decoder layers {quant.name}" + (" quantized at load" if quant.online else "")
                  if quant else dtype) + ")")

@@ -116,6 +116,9 @@ def check_tensor_parallel(cfg, n: int) -> None:
     if cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size {n} must divide intermediate_size "
                          f"({cfg.intermediate_size})")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(cfg, name) % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide {name} ({getattr(cfg, name)})")
 
 
 def kv_heads_per_device(cfg, n: int) -> int:
@@ -263,6 +266,9 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                          "step's token budget with its request's own token")
     check_tensor_parallel(mc, args.tensor_parallel_size)
     check_quantized_split(quant, mc, args.tensor_parallel_size)
+    if quant is not None and mc.num_experts:
+        raise ValueError(f"quantization {quant.name!r}: quantized mixture-of-experts weights "
+                         f"({mc.architecture}) are not supported yet")
     cache = _cache_config(args, mc, dtype, max_model_len, device_memory_bytes, quant)
     if num_processes > 1 and cache.num_host_blocks:  # also when the job came from JAX's environment
         raise ValueError("swap_space is not supported by a multi-process engine yet")

@@ -114,9 +114,11 @@ def build_engine(cls, args):
     assert runner.offload is None or runner.offload.block_nbytes == config.cache.block_bytes
     scheduler = build_scheduler(config, tokenizer, host, disk)
     mc, quant = config.model_config, config.runner.quantization
-    logger.info("loaded %s (%s, %s, %.1f M params, weights %.2f GiB%s) in %.1f s",
+    active = (f", {mc.num_params(active=True) / 1e6:.1f} M active: {mc.num_experts_per_tok} of "
+              f"{mc.num_experts} experts" if mc.num_experts else "")
+    logger.info("loaded %s (%s, %s, %.1f M params%s, weights %.2f GiB%s) in %.1f s",
                 args.model or "SmolLM2-135M-Instruct", mc.architecture, config.runner.dtype,
-                mc.num_params() / 1e6, runner.weights_bytes / 2**30,
+                mc.num_params() / 1e6, active, runner.weights_bytes / 2**30,
                 f" {quant.name}" + (" quantized at load" if quant.online else "") if quant else "",
                 time.perf_counter() - t0)
     warm_up(runner, config.runner)

@@ -1,4 +1,5 @@
-"""Llama-family decoder in Flax (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV pool.
+"""Llama-family decoder in Flax (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE: jaxkv/models/moe.py) over a paged KV pool.
 
 Matches Hugging Face transformers' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
 Qwen3ForCausalLM numerics: RMSNorm in float32, rotate-half RoPE (with llama3 scaling), grouped-
@@ -25,6 +26,7 @@ import numpy as np
 from jaxkv.attention import Attention, get_attention, write_and_attend
 from jaxkv.cpu_kernels import linear as cpu_linear
 from jaxkv.models.model_config import ModelConfig
+from jaxkv.models.moe import MoE
 from jaxkv.quantization import QuantSpec
 from jaxkv.quantization import linear as qlinear
 from jaxkv.step_input import StepInput
@@ -160,6 +162,9 @@ class DecoderLayer(nn.Module):
                                    scale=c.head_dim ** -0.5)
         x = x + mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, qs, name="o_proj"))[0]
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        if layer in c.moe_layers:  # a sparse MLP (jaxkv/models/moe.py)
+            y, _ = MoE(c, dt, Linear, mm, name="mlp")(h)
+            return (x + y, pool), None
         g, u = mm(h, Linear(c.intermediate_size, False, dt, qs, name="gate_proj"),
                   Linear(c.intermediate_size, False, dt, qs, name="up_proj"))
         x = x + mm(nn.silu(g) * u, Linear(c.hidden_size, False, dt, qs, name="down_proj"))[0]

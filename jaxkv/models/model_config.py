@@ -13,10 +13,17 @@ ARCHITECTURES = {
     "MistralForCausalLM": dict(qk_norm=False),
     "Qwen2ForCausalLM": dict(qk_norm=False),
     "Qwen3ForCausalLM": dict(qk_norm=True),
+    # Mixtures of experts (jaxkv/models/moe.py): the same attention, a sparse MLP.
+    "MixtralForCausalLM": dict(qk_norm=False),
+    "Qwen2MoeForCausalLM": dict(qk_norm=False),
+    "Qwen3MoeForCausalLM": dict(qk_norm=True),
 }
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,16 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    # Mixture of experts (0 experts: a dense model): experts per MoE layer, how many each token
+    # is routed to, each expert's intermediate size, whether the top-k weights are renormalized
+    # to sum to 1, the shared expert's intermediate size (Qwen2-MoE; 0: none), and which layers
+    # are MoE (the others keep a dense MLP of intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
@@ -60,10 +77,8 @@ class ModelConfig:
             elif kind != "llama3":
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (default and llama3 are)")
         theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            window = None
-        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = cfg.get("sliding_window") or None
+        if arch in _QWEN and not cfg.get("use_sliding_window", False):
             window = None
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
@@ -72,17 +87,51 @@ class ModelConfig:
             rope_theta=float(theta), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
+                                or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             rope_scaling=tuple(sorted(rs.items())) if rs else None,
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, sliding_window=window)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, sliding_window=window,
+            **_moe_fields(arch, cfg))
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
         """Parameters of the checkpoint (Llama family: embeddings, attention with optional
-        biases and q/k norms, gated MLP, RMSNorms, LM head unless tied)."""
+        biases and q/k norms, gated MLP or experts, RMSNorms, LM head unless tied); with
+        `active`, those one token runs through (its top-k experts of each MoE layer)."""
         h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h + (2 * hd if self.qk_norm else 0)
+        layer = attn + 2 * h + (2 * hd if self.qk_norm else 0)
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = (experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+               + (3 * h * self.shared_expert_intermediate_size + h
+                  if self.shared_expert_intermediate_size else 0))
+        mlps = sum(moe if i in self.moe_layers else 3 * h * self.intermediate_size
+                   for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_layers * layer + h
+        return embed + self.num_layers * layer + mlps + h
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's mixture-of-experts fields from an HF config (transformers' names:
+    Mixtral's num_local_experts and intermediate_size per expert; Qwen's num_experts,
+    moe_intermediate_size, decoder_sparse_step, mlp_only_layers, shared expert)."""
+    if arch == "MixtralForCausalLM":
+        n = cfg.get("num_local_experts") or cfg.get("num_experts") or 8
+        return dict(num_experts=n, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    moe_layers=tuple(range(cfg["num_hidden_layers"])))
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    # transformers 5 writes num_local_experts for every family; older configs num_experts
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                   if n > 0 and i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=n, num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+                moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 0)
+                                                 if arch == "Qwen2MoeForCausalLM" else 0),
+                moe_layers=layers)

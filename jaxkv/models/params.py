@@ -65,6 +65,8 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
     for i in range(c.num_layers):
         layer = out[f"layers_{i}"] = {}
         for mod, leaves in shapes[f"layers_{i}"].items():
+            if mod == "mlp":  # a mixture of experts: below
+                continue
             hf, transpose = _LAYER_MAP[mod]
             prefix = f"model.layers.{i}.{hf}"
             if transpose and model.quant is not None:  # a quantized linear layer
@@ -77,7 +79,29 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
             for leaf in leaves:
                 a = get(f"{prefix}.{'bias' if leaf == 'bias' else 'weight'}")
                 layer[mod][leaf] = a.T if transpose and leaf == "kernel" else a
+        if "mlp" in shapes[f"layers_{i}"]:
+            layer["mlp"] = moe_leaves(c, get, i)
     return _checked(shapes, out)
+
+
+# HF names of a MoE layer's tensors: (prefix, router, experts' (gate, up, down)) per family
+_MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", "gate", ("w1", "w3", "w2"))}
+_QWEN_MOE_NAMES = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+
+
+def moe_leaves(c: ModelConfig, get, i: int) -> dict:
+    """Layer i's sparse MLP from HF tensors (torch layout [out, in]; experts stacked)."""
+    prefix, router, (gate, up, down) = _MOE_NAMES.get(c.architecture, _QWEN_MOE_NAMES)
+    p = f"model.layers.{i}.{prefix}"
+    stack = lambda name: np.stack([np.asarray(get(f"{p}.experts.{e}.{name}.weight")).T  # noqa: E731
+                                   for e in range(c.num_experts)])
+    out = {"router": np.asarray(get(f"{p}.{router}.weight")).T,
+           "gate_proj": stack(gate), "up_proj": stack(up), "down_proj": stack(down)}
+    if c.shared_expert_intermediate_size:
+        for mod in ("gate_proj", "up_proj", "down_proj"):
+            out[f"shared_{mod}"] = {"kernel": np.asarray(get(f"{p}.shared_expert.{mod}.weight")).T}
+        out["shared_expert_gate"] = {"kernel": np.asarray(get(f"{p}.shared_expert_gate.weight")).T}
+    return out
 
 
 def _embedding(model, table) -> dict:

@@ -5,7 +5,9 @@ split by output columns (heads), o and down by input rows, so each device comput
 attention and its slice of the MLP, and XLA inserts the all-reduce after o_proj and down_proj
 (GSPMD propagates the rest from these annotations: nothing home-made on the wire). Quantized
 layers split the same way: their packed weights, per-group scales and zero points along the
-same axis as the kernel, per-channel scales with the columns (jaxkv/quantization/linear.py). The
+same axis as the kernel, per-channel scales with the columns (jaxkv/quantization/linear.py).
+A mixture of experts splits every expert's intermediate dimension as a dense MLP's (vLLM's
+default); its router and a shared expert's gate are replicated. The
 embedding and the LM head are split by vocabulary when it divides. The KV pool is split by KV
 head; when there are fewer KV heads than devices (and the device count is a multiple of
 them) K/V are replicated, as vLLM replicates them. Norms and everything of the host
@@ -47,14 +49,19 @@ def param_specs(params, cfg, mesh: Mesh):
     """PartitionSpecs of the LlamaModel parameter tree (jaxkv.models.llama names)."""
     kv = kv_heads_split(cfg, mesh)
     vocab = cfg.vocab_size % mesh.size == 0
-    cols = {"q_proj": True, "k_proj": kv, "v_proj": kv, "gate_proj": True, "up_proj": True}
-    rows = ("o_proj", "down_proj")
+    cols = {"q_proj": True, "k_proj": kv, "v_proj": kv, "gate_proj": True, "up_proj": True,
+            "shared_gate_proj": True, "shared_up_proj": True}
+    rows = ("o_proj", "down_proj", "shared_down_proj")
+    experts = {"gate_proj": P(None, None, AXIS), "up_proj": P(None, None, AXIS),
+               "down_proj": P(None, AXIS, None)}  # [E, hidden, inter] / [E, inter, hidden]
 
     def spec(path, x):
         names = [str(getattr(p, "key", p)) for p in path]
         module, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
         if leaf == "perm":  # GPTQ's act-order input permutation [in]
             return P()
+        if module == "mlp":  # a mixture of experts: each expert's columns split (vLLM's default)
+            return experts.get(leaf, P())
         if module in cols and cols[module]:  # [in, out] and [groups, out] leaves; [out] ones
             return P(None, AXIS) if x.ndim == 2 else P(AXIS)
         if module in rows and x.ndim == 2:  # the kernel, packed weights, groups' scales, zeros

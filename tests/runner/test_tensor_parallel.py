@@ -107,3 +107,12 @@ def test_quantized_weights_split_and_give_the_tp1_tokens():
                    "o_proj.kernel": "P('tp', None)", "o_proj.scale": "P()"}
     for leaf in ("qweight", "scales", "zeros"):
         assert awq[f"q_proj.{leaf}"] == "P(None, 'tp')" and awq[f"o_proj.{leaf}"] == "P('tp', None)"
+
+
+def test_mixtures_of_experts_split_each_expert_and_give_the_tp1_tokens():
+    r = tp_run("moe")
+    for name in ("mixtral", "qwen2_moe"):
+        same_tokens(r[f"{name}2"], r[f"{name}1"], f"{name}, TP 2")
+        two = r[f"{name}2"]
+        assert two["gate_proj"] == "P(None, None, 'tp')" and two["down_proj"] == "P(None, 'tp', None)"
+        assert two["router"] == "P()"

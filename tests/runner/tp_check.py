@@ -108,6 +108,8 @@ def main(case: str) -> dict:
         return {"tp2": {**run(a, prompts, 6), **layout(a)}, "tp1": run(b, prompts, 6)}
     if case == "quantized":
         return quantized(prompts)
+    if case == "moe":
+        return moe(prompts)
     raise SystemExit(f"unknown case {case!r}")
 
 
@@ -133,6 +135,26 @@ def quantized(prompts) -> dict:
                                   "leaves": {f"{m}.{k}": spec(v) for m in ("q_proj", "o_proj")
                                              for k, v in p[m].items()},
                                   "param_bytes": bytes_per_device(llm.llm_engine.runner.params)}
+            llm.llm_engine.shutdown()
+    return out
+
+
+def moe(prompts) -> dict:
+    """Mixtral and Qwen2-MoE (a shared expert) at TP 1 and 2: tokens and the experts' split."""
+    import pathlib
+
+    from jaxkv import LLM
+    from tests.models.test_moe import make_moe
+    out = {}
+    for name in ("mixtral", "qwen2_moe"):
+        d = pathlib.Path(tempfile.mkdtemp())
+        make_moe(name, d)
+        for tp in (1, 2):
+            llm = LLM(model=str(d), tensor_parallel_size=tp, **ENGINE)
+            mlp = llm.llm_engine.runner.params["layers_0"]["mlp"]
+            spec = lambda x: str(getattr(x.sharding, "spec", "single"))  # noqa: E731
+            out[f"{name}{tp}"] = {**run(llm, prompts, 8), "gate_proj": spec(mlp["gate_proj"]),
+                                  "down_proj": spec(mlp["down_proj"]), "router": spec(mlp["router"])}
             llm.llm_engine.shutdown()
     return out
 

@@ -1,0 +1,61 @@
+"""The sparse MLP of a mixture-of-experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE), in Flax.
+
+As transformers' MixtralSparseMoeBlock / Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock:
+router logits x @ router [T, E] in float32, softmax, the top-k experts of each token (their
+weights renormalized to sum to 1 with norm_topk_prob), each expert a SwiGLU
+(down(silu(gate(x)) * up(x))), the token's output the weighted sum of its experts'; Qwen2-MoE
+adds a shared expert scaled by sigmoid(x @ shared_expert_gate).
+
+The experts run as grouped matmuls over the (token, expert) pairs sorted by expert
+(jax.lax.ragged_dot with each expert's row count), so a step computes T * k expert rows, not
+T * E. Parameters (leaves of the layer's "mlp"): router [hidden, E], gate_proj and up_proj
+[E, hidden, moe_intermediate], down_proj [E, moe_intermediate, hidden]; the shared expert
+is a dense gated MLP (Linear modules) beside them.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxkv.models.model_config import ModelConfig
+
+
+class MoE(nn.Module):
+    """x [T, hidden] -> (y [T, hidden], tokens per expert int32 [E]) in `dtype`."""
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    linear: type  # jaxkv.models.llama.Linear (the shared expert's layers)
+    matmul: object  # jaxkv.models.llama.matmul bound to the model's cpu flag
+
+    @nn.compact
+    def __call__(self, x):
+        c, dt = self.cfg, self.dtype
+        h, e, i, k = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+        init = nn.initializers.normal(0.02)
+        router = self.param("router", init, (h, e), dt)
+        w_gate = self.param("gate_proj", init, (e, h, i), dt)
+        w_up = self.param("up_proj", init, (e, h, i), dt)
+        w_down = self.param("down_proj", init, (e, i, h), dt)
+        x = x.astype(dt)
+        probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, k)  # [T, k]
+        if c.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # the (token, expert) pairs grouped by expert
+        token = order // k
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        xs = x[token]
+        act = nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+        ys = jax.lax.ragged_dot(act, w_down, sizes) * weights.reshape(-1)[order][:, None].astype(dt)
+        y = jnp.zeros_like(x).at[token].add(ys)
+        if c.shared_expert_intermediate_size:
+            s = c.shared_expert_intermediate_size
+            g, u = self.matmul(x, self.linear(s, False, dt, name="shared_gate_proj"),
+                               self.linear(s, False, dt, name="shared_up_proj"))
+            shared = self.matmul(nn.silu(g) * u, self.linear(h, False, dt, name="shared_down_proj"))[0]
+            gate = self.matmul(x, self.linear(1, False, dt, name="shared_expert_gate"))[0]
+            y = y + jax.nn.sigmoid(gate) * shared
+        return y, sizes

@@ -1,0 +1,135 @@
+"""Mixtures of experts (jaxkv/models/moe.py) against transformers, float32: tiny random
+Mixtral, Qwen3-MoE (a dense layer among the MoE ones, renormalized top-k) and Qwen2-MoE (a
+shared expert and its gate, q/k/v biases) saved as Hugging Face folders. Logits within 1e-4
+relative through prefill, chunks and decode; greedy tokens equal transformers' through one
+LLM.generate that exercises prefix caching, chunked prefill, preemption, n=2 and speculative
+decoding at once; parameters counted as transformers counts them (total and active)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxkv.engine_args import EngineArgs
+from jaxkv.loader.gguf import embedded_model_path
+from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+from jaxkv.loader.hf import load_hf_dir
+from jaxkv.models.llama import LlamaModel
+from jaxkv.models.model_config import ModelConfig
+from jaxkv.models.params import params_from_tensors
+from jaxkv.runner.model_runner import ModelRunner
+from tests.models.test_architectures import BLOCK, run_paged
+
+COMMON = dict(vocab_size=211, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+MOE = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, mlp_only_layers=[1])),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=48)),
+}
+
+
+def make_moe(name, path, common: dict = COMMON):
+    """A tiny random transformers MoE model of family `name`, saved with safetensors at `path`;
+    routers drawn wide so that tokens spread over the experts."""
+    cfg_cls, model_cls, extra = MOE[name]
+    torch.manual_seed(0)
+    hf = model_cls(cfg_cls(**common, **extra)).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "bias" in n or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+            if n.endswith("gate.weight") and "proj" not in n:  # the routers
+                p.normal_(0, 0.5)
+    hf.save_pretrained(path, safe_serialization=True)
+    tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def moe(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, make_moe(request.param, path), path
+
+
+def test_logits_and_parameter_counts_match_transformers(moe):
+    name, hf, path = moe
+    ckpt = load_hf_dir(str(path))
+    mc = ModelConfig.from_hf_config(ckpt.config)
+    assert mc.num_experts and mc.moe_layers == ((0, 2) if name == "qwen3_moe" else (0, 1, 2))
+    assert mc.num_params() == sum(p.numel() for p in hf.parameters())
+    assert mc.num_params(active=True) < mc.num_params()
+    model = LlamaModel(mc)
+    params = params_from_tensors(model, ckpt.tensors)
+    config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
+                        max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
+                        max_logprobs=0).create_engine_config(platform="cpu", model_config=mc)
+    runner = ModelRunner(model, params, config)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, COMMON["vocab_size"], 41).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    blocks = rng.permutation(np.arange(1, 64))[:11].tolist()
+    for chunks in ([41], [16, 7, 18], [1] * 41):
+        got = run_paged(runner, ids, chunks, blocks)
+        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        assert err < 1e-4, f"{name} chunks={chunks[:3]}: relative logit difference {err}"
+
+
+def test_one_generate_with_every_engine_feature_gives_transformers_tokens(moe):
+    """Four prompts sharing a 24-token prefix (prefix caching), longer than the 16-token step
+    budget (chunked prefill), in a pool too small for all of them (preemption), one of them
+    with n=2, under n-gram speculative decoding: greedy tokens equal transformers'."""
+    from jaxkv import LLM, SamplingParams
+
+    name, hf, path = moe
+    llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
+              token_buckets=(8, 16), num_gpu_blocks_override=14, block_size=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, COMMON["vocab_size"], 24).tolist()
+    prompts = [prefix + rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (8, 12, 17, 20)]
+    sps = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2 if i == 1 else 1)
+           for i in range(4)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    s = llm.stats()
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.spec_decode_num_drafts > 0
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        for c in o.outputs:
+            assert list(c.token_ids) == ref, name
+
+
+def test_plan_counts_total_and_active_params(tmp_path):
+    import os
+    import subprocess
+    import sys
+    hf = make_moe("qwen2_moe", tmp_path)
+    r = subprocess.run([sys.executable, "-m", "jaxkv.cli", "plan", "--model", str(tmp_path),
+                        "--json", "--max-model-len", "128"], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["num_params"] == sum(p.numel() for p in hf.parameters())
+    assert plan["weights_bytes"] == 4 * plan["num_params"] and plan["num_active_params"] < plan["num_params"]
+
+
+def test_what_moe_models_refuse(tmp_path):
+    make_moe("mixtral", tmp_path)
+    mc = ModelConfig.from_hf_config(load_hf_dir(str(tmp_path), load_weights=False).config)
+    with pytest.raises(ValueError, match="quantized mixture-of-experts weights"):
+        EngineArgs(quantization="fp8").create_engine_config(platform="cpu", model_config=mc)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        EngineArgs(tensor_parallel_size=3).create_engine_config(platform="cpu", model_config=mc)
