@@ -101,3 +101,26 @@ def save(name: str, data: dict, args, fig=None) -> str:
     sys.stdout.flush()
     print(json.dumps(data))
     return stem + ".json"
+
+
+def model_folder(config: dict) -> str:
+    """A temporary model folder of `config` (config.json) with the embedded model's tokenizer,
+    for engines of random weights (load_format="dummy")."""
+    import tempfile
+
+    from jaxkv.loader.gguf import embedded_model_path
+    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+    d = tempfile.mkdtemp(prefix="jaxkv-bench-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    tokenizer_from_gguf(embedded_model_path()).save_pretrained(d)
+    return d
+
+
+def decode_step_ms(llm, batch: int, context: int, reps: int, seed: int) -> float:
+    """Median ms of the engine's device-only decode step (runner.forward) for `batch`
+    sequences of `context` tokens each (the pool must hold them), after a warmup call."""
+    from benchmarks.profile_step import scheduler_output
+    runner = llm.llm_engine.runner
+    si = runner.build_inputs(scheduler_output(batch, context, 1, runner.block_size, seed))
+    return timed(lambda: runner.forward(si), iters=reps)[1] * 1e3

@@ -17,15 +17,11 @@ blocks): one request's 64 greedy tokens through LLM.generate (single-stream deco
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 
 import numpy as np
 
-from benchmarks.common import base_parser, print_table, save, timed
-from benchmarks.profile_step import scheduler_output
+from benchmarks.common import base_parser, decode_step_ms, model_folder, print_table, save
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8192, hidden_size=256,
             intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -41,31 +37,20 @@ def awq_config(group: int) -> dict:
     return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
 
 
-def folder(config: dict) -> str:
-    from jaxkv.loader.gguf import embedded_model_path
-    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
-    d = tempfile.mkdtemp(prefix="jaxkv-quant-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(config, f)
-    tokenizer_from_gguf(embedded_model_path()).save_pretrained(d)
-    return d
-
-
 def step_rows(shape: str, config: dict, fmt: str, dtype: str, batches, reps: int, seed: int) -> list:
     """Device-only decode steps of the engine of `config` in format `fmt` at each batch size."""
     from jaxkv import LLM
     qc = {"int4": awq_config(64 if config["hidden_size"] % 128 else 128)}.get(fmt)
-    model = folder({**config, **({"quantization_config": qc} if qc else {})})
+    model = model_folder({**config, **({"quantization_config": qc} if qc else {})})
     top = max(batches)
     llm = LLM(model=model, load_format="dummy", dtype=dtype, quantization="fp8" if fmt == "fp8" else None,
               max_model_len=CONTEXT + 16, max_num_seqs=top, max_num_batched_tokens=top,
               token_buckets=tuple(sorted(set(batches))), num_gpu_blocks_override=top * CONTEXT // 16 + 2,
               enable_prefix_caching=False, seed=seed)
-    runner, s = llm.llm_engine.runner, llm.stats()
+    s = llm.stats()
     rows = []
     for b in batches:
-        si = runner.build_inputs(scheduler_output(b, CONTEXT, 1, runner.block_size, seed))
-        ms = timed(lambda: runner.forward(si), iters=reps)[1] * 1e3
+        ms = decode_step_ms(llm, b, CONTEXT, reps, seed)
         rows.append({"shape": shape, "format": fmt, "dtype": dtype, "weights_mib": s.weights_bytes / 2**20,
                      "batch": b, "step_ms": ms, "tok_per_s": b / ms * 1e3})
     llm.llm_engine.shutdown()
