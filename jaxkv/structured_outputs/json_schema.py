@@ -9,8 +9,11 @@ the client sent.
   ``max_tokens`` (``1.1111111111111111555333...``). Typed numbers get JSON Schema bounds
   (``exclusiveMinimum``/``exclusiveMaximum`` of 10**16, ``multipleOf`` 1e-10), which llguidance
   compiles into a finite number rule; values a schema leaves free (``json_object``, an open
-  ``additionalProperties``, arrays without ``items``) get a recursive any-JSON-value
-  definition whose numbers carry the same bounds.
+  ``additionalProperties``, arrays without ``items``, a schema of annotations only such as
+  pydantic's ``Any``) get a recursive any-JSON-value definition whose numbers carry the same
+  bounds. Left as written: a schema whose own bounds lie beyond 10**16 (that side), the
+  inside of a nested ``$id`` resource, and a schema the bounds would make unsatisfiable
+  (params.StructuredOutputsParams.validate compiles it unbounded then).
 """
 
 from __future__ import annotations
@@ -27,12 +30,19 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 # "not" and "if" are left alone: narrowing inside them would widen the schema.
 
 
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated",
+                "readOnly", "writeOnly"}
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
 def _map_subschemas(schema: dict, fn) -> dict:
     """A copy of `schema` with `fn` applied to each direct subschema."""
     out = dict(schema)
     for k in _SUBSCHEMA:
         if isinstance(out.get(k), dict):
             out[k] = fn(out[k])
+    if isinstance(out.get("items"), list):  # draft 4's tuple form
+        out["items"] = [fn(x) for x in out["items"]]
     for k in _SUBSCHEMA_LISTS:
         if isinstance(out.get(k), list):
             out[k] = [fn(s) for s in out[k]]
@@ -63,7 +73,8 @@ def _types(schema: dict) -> set:
 def _bound_number(schema: dict) -> dict:
     """Numeric bounds added where the schema sets none of its own."""
     types = _types(schema)
-    if not types & {"number", "integer"} or "const" in schema or "enum" in schema:
+    untyped_number = not types and any(k in schema for k in _NUMERIC)  # numbers only, if any
+    if not (types & {"number", "integer"} or untyped_number) or "const" in schema or "enum" in schema:
         return schema
     out = dict(schema)
     top = 10 ** MAX_INTEGER_DIGITS
@@ -73,7 +84,7 @@ def _bound_number(schema: dict) -> dict:
         out["exclusiveMinimum"] = -top
     if "maximum" not in out and "exclusiveMaximum" not in out and (lo is None or lo < top):
         out["exclusiveMaximum"] = top
-    if "number" in types and "multipleOf" not in out:
+    if ("number" in types or untyped_number) and "multipleOf" not in out:
         out["multipleOf"] = float(f"1e-{MAX_FRACTION_DIGITS}")
     return out
 
@@ -83,7 +94,9 @@ def _number(v):
 
 
 def _free(sub) -> bool:
-    return sub is True or sub == {}
+    """Any JSON value: true, {}, or a schema of annotations only ({"title": "Payload"}, as
+    pydantic writes an Any field)."""
+    return sub is True or (isinstance(sub, dict) and set(sub) <= _ANNOTATIONS)
 
 
 def _bound_free_values(schema: dict) -> dict:
@@ -99,14 +112,37 @@ def _bound_free_values(schema: dict) -> dict:
     return out
 
 
-def _bound(schema):
+def _bound(schema, skip: frozenset, numbers: bool = True):
+    """bound_numbers below the root. numbers=False inside allOf branches, whose bounds meet
+    the other branches' (10**16 against a sibling's minimum 1e17 would leave no number);
+    `skip`: $defs names referenced there or beside numeric keywords, left as written."""
     if _free(schema):
-        return dict(_ANY_REF)
+        return {**(schema if isinstance(schema, dict) else {}), **_ANY_REF}
     if not isinstance(schema, dict):
         return schema
     if "$id" in schema:  # a nested resource: "#/$defs/..." would resolve against its own root
         return schema
-    return _bound_free_values(_bound_number(_map_subschemas(schema, _bound)))
+    mine = numbers and "allOf" not in schema and "$ref" not in schema
+    out = _map_subschemas(schema, lambda x: _bound(x, skip, numbers and "allOf" not in schema))
+    for k in ("$defs", "definitions"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {n: schema[k][n] if f"#/{k}/{n}" in skip else v for n, v in out[k].items()}
+    return _bound_free_values(_bound_number(out) if mine else out)
+
+
+def _clashing_refs(schema, in_all_of: bool = False, out: set | None = None) -> set:
+    """The "#/$defs/..." references made inside an allOf or beside numeric keywords."""
+    out = set() if out is None else out
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and (in_all_of or any(k in schema for k in _NUMERIC)):
+            out.add(ref)
+        for k, v in schema.items():
+            _clashing_refs(v, in_all_of or k == "allOf", out)
+    elif isinstance(schema, list):
+        for v in schema:
+            _clashing_refs(v, in_all_of, out)
+    return out
 
 
 def any_value_schema() -> dict:
@@ -122,13 +158,13 @@ def bound_numbers(schema):
     by JSON Schema bounds, free values through a bounded any-value definition added to the
     root's $defs. A schema whose root is not an object schema (true) becomes the any-value
     schema itself."""
-    if schema is True or schema == {}:
-        schema = {"$ref": f"#/$defs/{ANY_VALUE}"}
+    if _free(schema):
+        schema = {**(schema if isinstance(schema, dict) else {}), **_ANY_REF}
     if not isinstance(schema, dict):
         return schema
     root_id = schema.get("$id")
     body = {k: v for k, v in schema.items() if k != "$id"}
-    out = _bound(body)
+    out = _bound(body, frozenset(_clashing_refs(body)))
     if root_id is not None:
         out["$id"] = root_id
     if _refers_to_any(out):
@@ -138,7 +174,8 @@ def bound_numbers(schema):
 
 def _refers_to_any(schema) -> bool:
     if isinstance(schema, dict):
-        return schema == _ANY_REF or any(_refers_to_any(v) for v in schema.values())
+        return (schema.get("$ref") == _ANY_REF["$ref"]
+                or any(_refers_to_any(v) for v in schema.values()))
     if isinstance(schema, list):
         return any(_refers_to_any(v) for v in schema)
     return False

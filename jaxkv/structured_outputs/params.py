@@ -116,9 +116,10 @@ class StructuredOutputsParams:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         return json.dumps(d, sort_keys=True)
 
-    def to_grammar(self) -> str:
+    def to_grammar(self, bound: bool = True) -> str:
         """llguidance's grammar text (JSON) for this constraint. ValueError naming the field
-        if llguidance cannot read it (an unknown schema keyword value, a bad regex...)."""
+        if llguidance cannot read it (an unknown schema keyword value, a bad regex...).
+        bound: JSON numbers bounded in length (json_schema.bound_numbers)."""
         import llguidance
 
         kind = self.kind
@@ -127,7 +128,8 @@ class StructuredOutputsParams:
                 schema = self.json if kind == "json" else {"type": "object"}
                 if self.disable_additional_properties:
                     schema = close_objects(schema)
-                schema = bound_numbers(schema)
+                if bound:
+                    schema = bound_numbers(schema)
                 overrides = ({"whitespace_pattern": self.whitespace_pattern}
                              if self.whitespace_pattern else None)
                 return llguidance.LLMatcher.grammar_from_json_schema(
@@ -145,12 +147,23 @@ class StructuredOutputsParams:
 
     def validate(self, ll_tokenizer) -> str:
         """The grammar text, checked by llguidance against `ll_tokenizer` (an LLTokenizer):
-        ValueError naming the field when it does not compile."""
+        ValueError naming the field when it does not compile. A JSON schema whose numbers'
+        bounds clash with its own (bounds in another allOf branch or beside a $ref, a range
+        finer than 1e-10) compiles as the client wrote it: unbounded numbers, not a 400."""
         import llguidance
 
-        grammar = self.to_grammar()
-        err = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
-        if err and self.whitespace_pattern and self.kind in ("json", "json_object"):
+        json_kind = self.kind in ("json", "json_object")
+        try:
+            grammar = self.to_grammar()
+            err = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
+        except ValueError:
+            if not json_kind:
+                raise
+            err = "the bounded schema does not compile"
+        if err and json_kind:  # as written; its own errors are the client's
+            grammar = self.to_grammar(bound=False)
+            err = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
+        if err and self.whitespace_pattern and json_kind:
             alone = llguidance.LLMatcher.grammar_from_regex(self.whitespace_pattern)
             if llguidance.LLMatcher.validate_grammar(alone, ll_tokenizer):
                 raise ValueError(f"structured_outputs.whitespace_pattern: {_one_line(err)}")

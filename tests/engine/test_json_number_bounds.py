@@ -85,6 +85,22 @@ CASES = [  # (constraint, text, accepted)
     (P(json={"type": "number", "const": 1e20}), "100000000000000000000", True),
     (P(json={"$id": "urn:x", "type": "object", "properties": {"a": {"type": "number"}}}),
      '{"a": 1.12345678901}', False),
+    # Free values as pydantic and older drafts write them: annotations only, untyped bounds,
+    # draft 4's tuple items.
+    (P(json={"type": "object", "properties": {"p": {"title": "Payload"}}}), '{"p": 1.12345678901}', False),
+    (P(json={"type": "object", "properties": {"p": {"title": "Payload"}}}), '{"p": [1, "a"]}', True),
+    (P(json={"type": "object", "properties": {"m": {"minimum": 0}}}), '{"m": 1.12345678901}', False),
+    (P(json={"type": "object", "properties": {"m": {"minimum": 0}}}), '{"m": "text"}', True),
+    (P(json={"type": "array", "items": [{"type": "number"}]}), "[1.12345678901]", False),
+    # Bounds that would clash with the schema's own are not added (or the schema compiles
+    # unbounded): allOf branches, a $ref beside a bound, a range finer than 1e-10.
+    (P(json={"type": "object", "required": ["x"], "properties": {"x": {"allOf": [
+        {"type": "number"}, {"minimum": 1e17}]}}}), '{"x": 100000000000000000}', True),
+    (P(json={"$defs": {"n": {"type": "number"}}, "type": "object", "properties": {
+        "x": {"$ref": "#/$defs/n", "minimum": 1e17}}}), '{"x": 100000000000000000}', True),
+    (P(json={"$defs": {"n": {"type": "number"}}, "type": "object", "properties": {
+        "x": {"$ref": "#/$defs/n"}}}), '{"x": 1.12345678901}', False),
+    (P(json={"type": "number", "minimum": 1e-12, "maximum": 2e-12}), "0.0000000000015", True),
 ]
 
 
