@@ -20,6 +20,7 @@ from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.structured_outputs.params import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.quantization import QuantSpec, weights_bytes
+from jaxkv.quantization import check_layer_shapes
 from jaxkv.quantization import check_tensor_parallel as check_quantized_split
 from jaxkv.quantization import resolve as resolve_quantization
 
@@ -266,6 +267,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                          "step's token budget with its request's own token")
     check_tensor_parallel(mc, args.tensor_parallel_size)
     check_quantized_split(quant, mc, args.tensor_parallel_size)
+    check_layer_shapes(quant, mc)
     if quant is not None and mc.num_experts:
         raise ValueError(f"quantization {quant.name!r}: quantized mixture-of-experts weights "
                          f"({mc.architecture}) are not supported yet")

@@ -65,7 +65,7 @@ def param_specs(params, cfg, mesh: Mesh):
         if module in cols and cols[module]:  # [in, out] and [groups, out] leaves; [out] ones
             return P(None, AXIS) if x.ndim == 2 else P(AXIS)
         if module in rows and x.ndim == 2:  # the kernel, packed weights, groups' scales, zeros
-            return P(AXIS, None)
+            return P() if x.shape[0] == 1 else P(AXIS, None)  # one group: scales replicated
         if module == "embed_tokens" and vocab:  # [vocab, hidden]; gguf blocks [.., vocab]
             return P(AXIS, None) if leaf == "embedding" else P(None, AXIS)
         if module == "lm_head" and leaf == "kernel" and vocab:

@@ -76,20 +76,43 @@ def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
     total = mc.num_params() * dtype_bytes
     if spec is None:
         return total
-    n = linear_params(mc) + (mc.vocab_size * mc.hidden_size if spec.embedding_bits else 0)
-    return int(total - n * dtype_bytes + n * spec.bytes_per_weight())
+    n = linear_params(mc)
+    out = total - n * dtype_bytes + n * spec.bytes_per_weight()
+    if spec.embedding_bits:  # gguf: the embedding in its own blocks
+        e = mc.vocab_size * mc.hidden_size
+        out += e * (QuantSpec("gguf", bits=spec.embedding_bits, group_size=32).bytes_per_weight()
+                    - dtype_bytes)
+    return int(out)
 
 
 def check_tensor_parallel(spec: QuantSpec | None, mc, n: int) -> None:
     """ValueError in one line when a tensor-parallel split of n devices would cut a group of
     int4 inputs (o_proj and down_proj split along their inputs)."""
-    if spec is None or spec.bits != 4 or n == 1:
-        return
+    if spec is None or spec.group_size is None or n == 1:
+        return  # one group per channel (group_size -1): its scales are replicated
     for name, dim in (("o_proj", mc.num_heads * mc.head_dim), ("down_proj", mc.intermediate_size)):
-        groups = dim // (spec.group_size or dim)
+        groups = dim // spec.group_size
         if groups % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the {groups} input groups of "
-                             f"{name} (quantization_config.group_size {spec.group_size or dim})")
+                             f"{name} (quantization_config.group_size {spec.group_size})")
+
+
+def check_layer_shapes(spec: QuantSpec | None, mc) -> None:
+    """ValueError in one line when a layer's shape does not fit the format: a group size
+    that does not divide its inputs, 4-bit outputs not a multiple of 8 (eight per int32)."""
+    if spec is None or spec.method == "fp8":
+        return
+    h, q, kv, m = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size
+    for name, (n_in, out) in {"q_proj": (h, q), "k_proj": (h, kv), "o_proj": (q, h),
+                              "gate_proj": (h, m), "down_proj": (m, h)}.items():
+        if spec.group_size and n_in % spec.group_size:
+            raise ValueError(f"quantization_config.group_size {spec.group_size} does not divide "
+                             f"the {n_in} inputs of {name}")
+        need_in = 8 if spec.method == "gptq" else 2  # GPTQ packs along the inputs too
+        if spec.method in ("awq", "gptq") and (out % 8 or n_in % need_in):
+            raise ValueError(f"{name} has {out} outputs and {n_in} inputs; {spec.method} packs "
+                             f"eight 4-bit values per int32 (outputs a multiple of 8, inputs "
+                             f"of {need_in})")
 
 
 def resolve(asked: str | None, hf_config: dict, platform: str) -> QuantSpec | None:
@@ -97,6 +120,8 @@ def resolve(asked: str | None, hf_config: dict, platform: str) -> QuantSpec | No
     quantization_config; None for float weights. ValueError in one line when they disagree,
     when a format needs a checkpoint it does not have, or for a format jaxkv does not read."""
     qc = hf_config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError(f"quantization_config must be an object, got {qc!r}"[:200])
     if asked is not None and asked not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {asked!r}")
     if not qc:
@@ -139,8 +164,13 @@ def _fp8_checkpoint(qc: dict, platform: str) -> QuantSpec:
 def _compressed_tensors(qc: dict, platform: str) -> QuantSpec:
     """llm-compressor's float-quantized fp8 (weights 8-bit float, per tensor or per channel)."""
     groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise ValueError(f"quantization_config.config_groups must be an object, got {groups!r}"[:200])
     for name, g in groups.items():
-        w = g.get("weights") or {}
+        w = g.get("weights") if isinstance(g, dict) else None
+        if not isinstance(w, dict):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights must be an "
+                             f"object, got {w!r}"[:200])
         if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in ("tensor", "channel"):
             raise ValueError(f"quantization_config.config_groups.{name}.weights: jaxkv reads "
                              "compressed-tensors fp8 weights (type float, 8 bits, per tensor or "
@@ -156,10 +186,10 @@ def _int4_checkpoint(method: str, qc: dict) -> QuantSpec:
     if bits != 4:
         raise ValueError(f"quantization_config.bits: jaxkv reads 4-bit {method.upper()}, got {bits!r}")
     group = qc.get("group_size", qc.get("q_group_size", 128))
-    if not isinstance(group, int) or group == 0 or group < -1:
+    if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
         raise ValueError(f"quantization_config.group_size must be a positive integer or -1, got {group!r}")
     if method == "awq":
-        if qc.get("version", "gemm").lower() != "gemm":
+        if str(qc.get("version") or "gemm").lower() != "gemm":
             raise ValueError(f"quantization_config.version {qc.get('version')!r}: jaxkv reads "
                              "AWQ's GEMM layout")
         if qc.get("zero_point") is False:

@@ -83,14 +83,16 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
                          f"input dimension {n_in} of {prefix}")
     g = spec.group_size or n_in
     if spec.method == "awq":
-        qweight = _shaped(get, f"{prefix}.qweight", (n_in, out // 8))
+        qweight = _int32(_shaped(get, f"{prefix}.qweight", (n_in, out // 8)), f"{prefix}.qweight")
         q = _nibbles(qweight, 1).reshape(n_in, out // 8, 8)[:, :, np.argsort(AWQ_ORDER)]
         q = q.reshape(n_in, out)
-        zeros = _nibbles(_shaped(get, f"{prefix}.qzeros", (n_in // g, out // 8)), 1)
+        zeros = _nibbles(_int32(_shaped(get, f"{prefix}.qzeros", (n_in // g, out // 8)),
+                                f"{prefix}.qzeros"), 1)
         zeros = zeros.reshape(n_in // g, out // 8, 8)[:, :, np.argsort(AWQ_ORDER)].reshape(n_in // g, out)
     else:
-        q = _nibbles(_shaped(get, f"{prefix}.qweight", (n_in // 8, out)), 0)
-        zeros = _nibbles(_shaped(get, f"{prefix}.qzeros", (n_in // g, out // 8)), 1)
+        q = _nibbles(_int32(_shaped(get, f"{prefix}.qweight", (n_in // 8, out)), f"{prefix}.qweight"), 0)
+        zeros = _nibbles(_int32(_shaped(get, f"{prefix}.qzeros", (n_in // g, out // 8)),
+                                f"{prefix}.qzeros"), 1)
     leaves = {"scales": np.asarray(_shaped(get, f"{prefix}.scales", (n_in // g, out)), np.float16),
               "zeros": zeros.astype(np.uint8)}
     if spec.method == "gptq":
@@ -114,7 +116,8 @@ def _gptq_order(get, prefix: str, q: np.ndarray, g: int, spec: QuantSpec, leaves
     if not spec.act_order:
         raise ValueError(f"{prefix}.g_idx reorders the inputs but quantization_config.desc_act "
                          "is false")
-    if g_idx.shape != (n_in,) or np.any(np.bincount(g_idx, minlength=n_in // g) != g):
+    if (g_idx.shape != (n_in,) or g_idx.min() < 0 or g_idx.max() >= n_in // g
+            or np.any(np.bincount(g_idx, minlength=n_in // g) != g)):
         raise ValueError(f"{prefix}.g_idx does not give every group {g} inputs")
     perm = np.argsort(g_idx, kind="stable")
     leaves["perm"] = perm.astype(np.int32)
@@ -141,6 +144,13 @@ def _fp8_leaves(get, prefix: str, n_in: int, out: int) -> dict:
         raise ValueError(f"tensor {prefix}.weight_scale has {scale.size} values; expected 1 "
                          f"(per tensor) or {out} (per channel)")
     return {"kernel": np.ascontiguousarray(w.T), "scale": np.broadcast_to(scale, (out,)).copy()}
+
+
+def _int32(a: np.ndarray, name: str) -> np.ndarray:
+    """A packed tensor must hold 32-bit integers (int32 as published, or uint32)."""
+    if a.dtype not in (np.int32, np.uint32):
+        raise ValueError(f"tensor {name} is {a.dtype}; packed 4-bit tensors are int32")
+    return a
 
 
 def _shaped(get, name: str, shape: tuple) -> np.ndarray:

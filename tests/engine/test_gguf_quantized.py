@@ -82,6 +82,12 @@ def test_the_embedded_model_kept_quantized(reference):  # noqa: F811
     llm = LLM(quantization="gguf", **TEST_ENGINE)
     s = llm.stats()
     assert s.weights_bytes <= 0.25 * FLOAT32_BYTES
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+    from jaxkv.quantization import weights_bytes
+    config = read_config(None)  # what jaxkv plan counts for the KV budget, within 1%
+    planned = weights_bytes(ModelConfig.from_hf_config(config), 4, resolve("gguf", config, "cpu"))
+    assert abs(planned - s.weights_bytes) < 0.01 * s.weights_bytes, (planned, s.weights_bytes)
     got = llm.chat(convs, sp, use_tqdm=False)
     margins = _divergences(got, ref)
     diffs = [abs(a.outputs[0].logprobs[0][t].logprob - lp.logprob)

@@ -69,7 +69,7 @@ def test_int4_leaves_round_trip():
     assert np.all(np.abs(deq - w) <= 0.5 * step + 1e-3)
 
 
-def test_plan_and_bytes(capsys):
+def test_plan_and_bytes():
     """The KV budget counts the quantized weights' bytes (what the pool may use on a GPU)."""
     from jaxkv.quantization import weights_bytes
     from jaxkv.loader.source import read_config
@@ -149,3 +149,48 @@ def test_a_tensor_parallel_split_keeps_int4_groups_whole():
     with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the 9 input groups "
                                          "of o_proj"):
         check_tensor_parallel(QuantSpec("awq", bits=4, group_size=64), mc, 2)
+
+
+def test_shapes_and_configs_that_do_not_fit_fail_in_one_line(tmp_path):
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+    from jaxkv.quantization import check_layer_shapes
+    mc = ModelConfig.from_hf_config(read_config(None))  # inputs 576 and 1536
+    with pytest.raises(ValueError, match="group_size 128 does not divide the 576 inputs of q_proj"):
+        check_layer_shapes(QuantSpec("awq", bits=4, group_size=128), mc)
+    check_layer_shapes(QuantSpec("awq", bits=4, group_size=64), mc)
+    assert resolve(None, {"quantization_config": {**AWQ, "version": None}}, "cpu").method == "awq"
+    for qc, match in (({"quant_method": "compressed-tensors", "config_groups": [{}]}, "config_groups must"),
+                      ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": "x"}}},
+                       "config_groups.g.weights must"),
+                      ({**AWQ, "group_size": True}, "group_size"), ("awq", "quantization_config must")):
+        with pytest.raises(ValueError, match=match):
+            resolve(None, {"quantization_config": qc}, "cpu")
+    from jaxkv.quantization import check_tensor_parallel
+    check_tensor_parallel(QuantSpec("awq", bits=4, group_size=None), mc, 2)  # scales replicated
+
+
+def test_bad_int4_tensors_name_the_tensor():
+    spec = QuantSpec("gptq", bits=4, group_size=32, act_order=True, zero_offset=1)
+    n_in, out = 64, 16
+    good = {"x.qweight": np.zeros((8, 16), np.int32), "x.qzeros": np.zeros((2, 2), np.int32),
+            "x.scales": np.ones((2, 16), np.float16), "x.g_idx": np.arange(64) // 32}
+
+    def get(t):
+        return lambda name: t[name]
+    linear_leaves(spec, get(good), "x", n_in, out)
+    with pytest.raises(ValueError, match="tensor x.qweight is float32"):
+        linear_leaves(spec, get({**good, "x.qweight": good["x.qweight"].astype(np.float32)}), "x", n_in, out)
+    bad = np.arange(64) // 32
+    bad[0] = -1
+    with pytest.raises(ValueError, match="x.g_idx does not give every group 32 inputs"):
+        linear_leaves(spec, get({**good, "x.g_idx": bad}), "x", n_in, out)
+
+
+def test_convert_refuses_quantized_checkpoints(tmp_path):
+    from jaxkv.loader.converted import convert
+    from tests.models.test_quantized_checkpoints import _write
+    (tmp_path / "ck").mkdir()
+    _write("fp8", tmp_path / "ck")
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        convert(str(tmp_path / "ck"), str(tmp_path / "out"))
