@@ -288,16 +288,11 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
 
 
 def _max_model_len(asked: int | None, mc: ModelConfig) -> int:
-    """The model's limit unless a smaller one is asked; ValueError beyond it or beyond a
-    sliding window (not implemented)."""
+    """The model's limit unless a smaller one is asked; ValueError beyond it."""
     limit = mc.max_position_embeddings
     if asked is not None and asked > limit:
         raise ValueError(f"max_model_len={asked} exceeds the model's maximum ({limit} positions)")
-    max_model_len = asked or limit
-    if mc.sliding_window is not None and mc.sliding_window < max_model_len:
-        raise ValueError(f"the model uses a sliding window of {mc.sliding_window} tokens, which jaxkv "
-                         f"does not implement; set max_model_len <= {mc.sliding_window}")
-    return max_model_len
+    return asked or limit
 
 
 def _runner_config(args, mc: ModelConfig, platform: str, dtype: str, token_buckets: tuple,

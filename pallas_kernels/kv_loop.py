@@ -34,7 +34,7 @@ def dot(a, b, *, trans_b: bool = False):
 
 def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, chunk_lo,
                   chunk_hi, scale: float, block_k: int, block_size: int, ks_ref=None,
-                  vs_ref=None, kv_dtype=None):
+                  vs_ref=None, kv_dtype=None, window: int | None = None):
     """Online softmax of query rows over key chunks [chunk_lo, chunk_hi) of one sequence.
 
     q: [M, head_dim] float32 / bfloat16 / float16 (M a power of two >= 16); each loaded K/V
@@ -50,12 +50,14 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
       (p x v_scale per key) rather than into the loaded blocks: a multiply per key, not per
       element, and the dots keep their operand types. uint16 scales are bfloat16 bits.
     kv_dtype: the type of the values when the refs hold their bits (uint8 / uint16), else None.
+    window: sliding-window attention (static): row m sees keys > pos[m] - window only.
     Returns (m, l, acc): float32 [M] running max, [M] softmax denominator, [M, head_dim]
     unnormalised output; l == 0 where a row saw no key.
     """
     rows, head_dim = q.shape
     max_blocks = bt_ref.shape[1]
     limit = jnp.minimum(pos, kv_len - 1)[:, None]  # [M, 1]: last visible key per row
+    first = None if window is None else (pos - window + 1)[:, None]  # first visible key
 
     def body(c, carry):
         m, l, acc = carry
@@ -69,6 +71,8 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
         if ks_ref is not None:
             s = s * scale_values(ks_ref[layer, blk, off, kv_head]).astype(jnp.float32)[None, :]
         mask = kpos[None, :] <= limit
+        if first is not None:
+            mask &= kpos[None, :] >= first
         s = jnp.where(mask, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)

@@ -21,7 +21,7 @@ from pallas_kernels.validation import scale_values, view_as
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      num_seqs, *, scale: float, layer=None, k_scale=None,
-                                     v_scale=None, kv_dtype=None):
+                                     v_scale=None, kv_dtype=None, window: int | None = None):
     """Ragged paged attention over a block-paged KV pool (dense gather, float32 softmax).
 
     Args:
@@ -39,6 +39,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
         stored value times its token's and KV head's scale is the key (value); None otherwise.
         uint16 scales hold bfloat16 bits.
       kv_dtype: the values' type when the pool holds their bits (uint16 / uint8), else None.
+      window: sliding-window attention: a row at position p sees keys p - window + 1 .. p
+        (transformers' sliding_window); None: every earlier key.
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
@@ -65,7 +67,10 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
 
     k, v = gather(k_cache), gather(v_cache)
     s = jnp.einsum("thd,tchd->thc", q.astype(jnp.float32) * scale, k)
-    visible = jnp.arange(context)[None, :] <= pos[:, None]  # causal, and only this sequence
+    kpos = jnp.arange(context)[None, :]
+    visible = kpos <= pos[:, None]  # causal, and only this sequence
+    if window is not None:
+        visible &= kpos > pos[:, None] - window
     s = jnp.where(visible[:, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("thc,tchd->thd", p, v)

@@ -180,3 +180,10 @@ def check_tables(block_tables, seq_lens) -> int:
                          f"{seq_lens.shape[0]}")
     return block_tables.shape[0]
 
+
+
+def check_window(window):
+    """A sliding window: a positive int, or None for none. ValueError naming it otherwise."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    return window

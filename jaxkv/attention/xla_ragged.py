@@ -151,10 +151,10 @@ def _load(cache, scales, kv_dtype, layer, blk, shape):
     return x * s[..., None]
 
 
-def _row_attention(qf, pool, layer, tables, ctx, cb, block_size):
-    """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys, gathered
-    per row from the pool (k, v, k_scale, v_scale, kv_dtype) in chunks of cb blocks; the trip
-    count follows the longest ctx."""
+def _row_attention(qf, pool, layer, tables, ctx, cb, block_size, window=None):
+    """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys (the last
+    `window` of them with a sliding window), gathered per row from the pool (k, v, k_scale,
+    v_scale, kv_dtype) in chunks of cb blocks; the trip count follows the longest ctx."""
     rows, nk, g, d = qf.shape
     ct = cb * block_size
     k_cache, v_cache, k_scale, v_scale, kv_dtype = pool
@@ -165,13 +165,16 @@ def _row_attention(qf, pool, layer, tables, ctx, cb, block_size):
         v = _load(v_cache, v_scale, kv_dtype, layer, blk, (rows, ct, nk, d))
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
         kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
-        bias = jnp.where(kpos[None, :] < ctx[:, None], 0.0, -jnp.inf)[:, None, None, :]
+        seen = kpos[None, :] < ctx[:, None]
+        if window is not None:
+            seen &= kpos[None, :] >= ctx[:, None] - window
+        bias = jnp.where(seen, 0.0, -jnp.inf)[:, None, None, :]
         return _merge(st, s, v, bias)
 
     return jax.lax.fori_loop(0, (jnp.max(ctx) + ct - 1) // ct, chunk, _empty_state(rows, nk, g, d))
 
 
-def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows):
+def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows, window=None):
     """The segment path: for each real segment, gather its sequence's keys once per chunk of
     cb blocks, up to its last row, and attend its rows causally with GEMMs; the result
     replaces those rows of state. Trip counts: the real segments, then each one's chunks."""
@@ -194,7 +197,10 @@ def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows):
             k = _load(k_cache, k_scale, kv_dtype, layer, blk, (ct, nk, d))
             v = _load(v_cache, v_scale, kv_dtype, layer, blk, (ct, nk, d))
             kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
-            bias = jnp.where(kpos[None, :] <= last[:, None], 0.0, -jnp.inf)
+            seen = kpos[None, :] <= last[:, None]
+            if window is not None:
+                seen &= kpos[None, :] > last[:, None] - window
+            bias = jnp.where(seen, 0.0, -jnp.inf)
             return _combine(acc, _dense_tile(q, k, v, bias))
 
         trips = (md.seg_ctx[j] + ct - 1) // ct
@@ -213,7 +219,7 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
                                num_seqs, *, scale: float, layer=None, k_scale=None,
                                v_scale=None, kv_dtype=None, metadata: RaggedMetadata | None = None,
                                chunk_tokens: int = CHUNK_TOKENS,
-                               segment_rows: int = SEGMENT_ROWS):
+                               segment_rows: int = SEGMENT_ROWS, window: int | None = None):
     """Ragged paged attention over a block-paged KV pool: arguments, shapes and result as
     pallas_kernels.reference.ragged_paged_attention_reference (the layer of a stacked pool is
     chosen inside the gathers; no layer is sliced out), plus:
@@ -221,6 +227,7 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
         layers (it is computed here otherwise), made with the same chunk_tokens and
         segment_rows.
       chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
+      window: sliding-window attention, as the oracle's (None: every earlier key).
     k_scale, v_scale, kv_dtype are those of the oracle: the scales of an int8 / float8 pool, or
     None; the values' type when the pool holds their bits, or None.
     """
@@ -239,12 +246,12 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
 
     packed = md.row_idx.shape[0] < num_tokens
     qr = qf[jnp.minimum(md.row_idx, num_tokens - 1)] if packed else qf
-    state = _row_attention(qr, pool, layer, md.tables, md.ctx, cb, block_size)
+    state = _row_attention(qr, pool, layer, md.tables, md.ctx, cb, block_size, window)
     if packed:  # back to their rows; unused slots (index T) are dropped
         state = tuple(e.at[md.row_idx].set(x, mode="drop")
                       for e, x in zip(_empty_state(num_tokens, num_kv_heads, group, head_dim),
                                       state))
-    state = _segment_attention(qf, pool, layer, md, state, cb, block_size, segment_rows)
+    state = _segment_attention(qf, pool, layer, md, state, cb, block_size, segment_rows, window)
     _, l, acc = state
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -159,7 +159,7 @@ class DecoderLayer(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, pool = write_and_attend(self.attention, q, k, v, pool, step, shared, layer=layer,
-                                   scale=c.head_dim ** -0.5)
+                                   scale=c.head_dim ** -0.5, window=c.window(layer))
         x = x + mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, qs, name="o_proj"))[0]
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         if layer in c.moe_layers:  # a sparse MLP (jaxkv/models/moe.py)

@@ -56,6 +56,13 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
+    # Each layer's sliding window (None: global attention); empty: every layer global.
+    layer_windows: tuple = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window in tokens (a query sees itself and the window - 1
+        keys before it), or None for global attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
@@ -92,7 +99,7 @@ class ModelConfig:
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             rope_scaling=tuple(sorted(rs.items())) if rs else None,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, sliding_window=window,
-            **_moe_fields(arch, cfg))
+            layer_windows=_layer_windows(cfg, window), **_moe_fields(arch, cfg))
 
     def num_params(self, active: bool = False) -> int:
         """Parameters of the checkpoint (Llama family: embeddings, attention with optional
@@ -135,3 +142,18 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
                 shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 0)
                                                  if arch == "Qwen2MoeForCausalLM" else 0),
                 moe_layers=layers)
+
+
+def _layer_windows(cfg: dict, window: int | None) -> tuple:
+    """Per layer: the window of a "sliding_attention" layer of transformers' layer_types, or
+    the model's sliding_window for every layer when it has no layer_types; () without one."""
+    if window is None:
+        return ()
+    types = cfg.get("layer_types")
+    n = cfg["num_hidden_layers"]
+    if types is None:
+        return (window,) * n
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of "
+                         f"the {n} layers, got {types!r}"[:300])
+    return tuple(window if t == "sliding_attention" else None for t in types)

@@ -1,0 +1,102 @@
+"""Sliding-window models against transformers, float32: a tiny Mistral whose every layer has
+a window shorter than the prompts (Mistral 7B v0.1's scheme), and a tiny Qwen2 with windowed
+and global layers mixed (transformers' layer_types). Logits within 1e-4 relative through
+prefill, chunks and decode, on the xla and cpu backends (the cpu backend's windowed layers
+take the XLA path); greedy tokens equal through one LLM.generate with prefix caching,
+chunked prefill, preemption, n=2 and speculative decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxkv.engine_args import EngineArgs
+from jaxkv.loader.gguf import embedded_model_path
+from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+from jaxkv.loader.hf import load_hf_dir
+from jaxkv.models.llama import LlamaModel
+from jaxkv.models.model_config import ModelConfig
+from jaxkv.models.params import params_from_tensors
+from jaxkv.runner.model_runner import ModelRunner
+from tests.models.test_architectures import BLOCK, run_paged
+
+COMMON = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5)
+WINDOWED = {
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(sliding_window=7, head_dim=16)),
+    "qwen2_mixed": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                    dict(use_sliding_window=True, sliding_window=9, max_window_layers=3,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def make_windowed(name, path):
+    cfg_cls, model_cls, extra = WINDOWED[name]
+    torch.manual_seed(0)
+    hf = model_cls(cfg_cls(**COMMON, **extra, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "bias" in n or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(path, safe_serialization=True)
+    tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(WINDOWED))
+def windowed(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, make_windowed(request.param, path), path
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_logits_match_transformers(windowed, backend):
+    from jaxkv.attention import get_attention
+    name, hf, path = windowed
+    ckpt = load_hf_dir(str(path))
+    mc = ModelConfig.from_hf_config(ckpt.config)
+    want = {"mistral": (7, 7, 7), "qwen2_mixed": (9, None, 9)}[name]
+    assert tuple(mc.window(i) for i in range(3)) == want
+    model = LlamaModel(mc, attention=get_attention(backend))
+    params = params_from_tensors(model, ckpt.tensors)
+    config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
+                        max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
+                        max_logprobs=0).create_engine_config(platform="cpu", model_config=mc)
+    runner = ModelRunner(model, params, config)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, COMMON["vocab_size"], 41).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    blocks = rng.permutation(np.arange(1, 64))[:11].tolist()
+    for chunks in ([41], [16, 7, 18], [1] * 41):
+        got = run_paged(runner, ids, chunks, blocks)
+        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        assert err < 1e-4, f"{name} chunks={chunks[:3]}: relative logit difference {err}"
+
+
+def test_one_generate_with_every_engine_feature_gives_transformers_tokens(windowed):
+    from jaxkv import LLM, SamplingParams
+
+    name, hf, path = windowed
+    llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
+              token_buckets=(8, 16), num_gpu_blocks_override=14, block_size=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, COMMON["vocab_size"], 24).tolist()
+    prompts = [prefix + rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (8, 12, 17, 20)]
+    sps = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2 if i == 1 else 1)
+           for i in range(4)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    s = llm.stats()
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.spec_decode_num_drafts > 0
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        for c in o.outputs:
+            assert list(c.token_ids) == ref, name
