@@ -34,7 +34,8 @@ def dot(a, b, *, trans_b: bool = False):
 
 def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, chunk_lo,
                   chunk_hi, scale: float, block_k: int, block_size: int, ks_ref=None,
-                  vs_ref=None, kv_dtype=None, window: int | None = None):
+                  vs_ref=None, kv_dtype=None, window: int | None = None,
+                  softcap: float | None = None):
     """Online softmax of query rows over key chunks [chunk_lo, chunk_hi) of one sequence.
 
     q: [M, head_dim] float32 / bfloat16 / float16 (M a power of two >= 16); each loaded K/V
@@ -51,6 +52,7 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
       element, and the dots keep their operand types. uint16 scales are bfloat16 bits.
     kv_dtype: the type of the values when the refs hold their bits (uint8 / uint16), else None.
     window: sliding-window attention (static): row m sees keys > pos[m] - window only.
+    softcap: logit soft-capping (static): scores become softcap x tanh(scores / softcap).
     Returns (m, l, acc): float32 [M] running max, [M] softmax denominator, [M, head_dim]
     unnormalised output; l == 0 where a row saw no key.
     """
@@ -70,6 +72,8 @@ def attend_chunks(q, k_ref, v_ref, bt_ref, *, layer, seq, kv_head, pos, kv_len, 
         s = dot(q, k, trans_b=True) * scale                                     # [M, block_k]
         if ks_ref is not None:
             s = s * scale_values(ks_ref[layer, blk, off, kv_head]).astype(jnp.float32)[None, :]
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
         mask = kpos[None, :] <= limit
         if first is not None:
             mask &= kpos[None, :] >= first

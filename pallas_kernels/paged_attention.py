@@ -35,7 +35,7 @@ DEFAULT_BLOCK_K = 64
 
 
 def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale,
-                   block_k, block_size, num_splits, scaled, kv_dtype, window):
+                   block_k, block_size, num_splits, scaled, kv_dtype, window, softcap):
     # layer_ref: int32 [1]; seq_lens_ref: int32 [S]; bt_ref: int32 [S, max_blocks]
     # q_ref: [S, KVH, Gp, D]; k_ref, v_ref: [L, NB, block_size, KVH, D]
     # scaled: refs start with ks_ref, vs_ref [L, NB, block_size, KVH] (a quantized pool)
@@ -56,7 +56,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, 
     m, l, acc = attend_chunks(q, k_ref, v_ref, bt_ref, layer=layer_ref[0], seq=s, kv_head=h,
                               pos=pos, kv_len=seq_len, chunk_lo=lo, chunk_hi=hi, scale=scale,
                               block_k=block_k, block_size=block_size, ks_ref=ks_ref,
-                              vs_ref=vs_ref, kv_dtype=kv_dtype, window=window)
+                              vs_ref=vs_ref, kv_dtype=kv_dtype, window=window,
+                              softcap=softcap)
     if num_splits == 1:
         (o_ref,) = out_refs
         o_ref[s, h] = normalise(l, acc).astype(o_ref.dtype)
@@ -68,9 +69,10 @@ def _decode_kernel(layer_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "kv_dtype", "window"))
+                                             "num_stages", "interpret", "kv_dtype", "window",
+                                             "softcap"))
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales, *, scale,
-                     block_k, num_splits, num_warps, num_stages, interpret, kv_dtype, window):
+                     block_k, num_splits, num_warps, num_stages, interpret, kv_dtype, window, softcap):
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -87,7 +89,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales,
                      jax.ShapeDtypeStruct((*part, head_dim), jnp.float32)]
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, block_size=block_size,
                                num_splits=num_splits, scaled=scales is not None, kv_dtype=kv_dtype,
-                               window=window)
+                               window=window, softcap=softcap)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(num_seqs, num_kv_heads, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -108,7 +110,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, layer, scales,
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, layer=None,
                     k_scale=None, v_scale=None, kv_dtype=None, block_k: int = DEFAULT_BLOCK_K,
                     num_splits: int = 1, num_warps: int = 4, num_stages: int = 2,
-                    interpret: bool = False, window: int | None = None):
+                    interpret: bool = False, window: int | None = None,
+                    softcap: float | None = None):
     """Decode attention: one query token per sequence over its paged context.
 
     Args:
@@ -132,7 +135,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
         KV head) along the context (split-K for few, long sequences). num_warps, num_stages:
         Triton launch knobs. interpret: run the kernel in Pallas interpret mode (CPU).
       window: sliding-window attention (static): the last `window` keys only (chunks before
-        them are not visited); None: the whole context.
+        them are not visited); None: the whole context. softcap: logit soft-capping (static),
+        as the oracle's; None: off.
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     Raises:
@@ -154,4 +158,5 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, jnp.asarray(layer),
                             scales, scale=scale, block_k=block_k, num_splits=num_splits,
                             num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
-                            kv_dtype=kv_dtype, window=val.check_window(window))
+                            kv_dtype=kv_dtype, window=val.check_window(window),
+                            softcap=val.check_softcap(softcap))

@@ -77,7 +77,7 @@ def tile_map(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: i
 
 
 def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale, group,
-                   block_m, block_k, block_size, scaled, kv_dtype, window):
+                   block_m, block_k, block_size, scaled, kv_dtype, window, softcap):
     # layer_ref: int32 [1]; tiles_ref: int32 [num_tiles, 5]; bt_ref: int32 [max_seqs, max_blocks]
     # q_ref, o_ref: [T, H, D]; k_ref, v_ref: [L, NB, block_size, KVH, D]
     # refs: (ks_ref, vs_ref [L, NB, block_size, KVH], o_ref) when scaled, else (o_ref,)
@@ -98,7 +98,8 @@ def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
                               pos=tok + pos_off, kv_len=kv_len, chunk_lo=lo,
                               chunk_hi=(kv_len + block_k - 1) // block_k, scale=scale,
                               block_k=block_k, block_size=block_size, ks_ref=ks_ref,
-                              vs_ref=vs_ref, kv_dtype=kv_dtype, window=window)
+                              vs_ref=vs_ref, kv_dtype=kv_dtype, window=window,
+                              softcap=softcap)
     out = normalise(l, acc).astype(o_ref.dtype)                     # [block_m, D]
     # Masked scatter of the valid rows. The indices are the unclamped (tok, head): distinct for
     # all block_m rows, so interpret mode (which writes masked rows back unchanged, dropping
@@ -109,10 +110,11 @@ def _ragged_kernel(layer_ref, tiles_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_m", "block_k", "num_warps",
-                                             "num_stages", "interpret", "kv_dtype", "window"))
+                                             "num_stages", "interpret", "kv_dtype", "window",
+                                             "softcap"))
 def _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, layer,
             scales, *, scale, block_m, block_k, num_warps, num_stages, interpret, kv_dtype,
-            window):
+            window, softcap):
     num_tokens, num_heads, _ = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -120,7 +122,7 @@ def _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_se
                      block_q=block_m // group)
     kernel = functools.partial(_ragged_kernel, scale=scale, group=group, block_m=block_m,
                                block_k=block_k, block_size=block_size, scaled=scales is not None,
-                               kv_dtype=kv_dtype, window=window)
+                               kv_dtype=kv_dtype, window=window, softcap=softcap)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(tiles.shape[0], num_kv_heads),
@@ -135,7 +137,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
                            kv_dtype=None, block_m: int = DEFAULT_BLOCK_M,
                            block_k: int = DEFAULT_BLOCK_K, num_warps: int = 4,
                            num_stages: int = 2, interpret: bool = False,
-                           window: int | None = None):
+                           window: int | None = None,
+                           softcap: float | None = None):
     """Ragged paged attention (prefill chunks and decodes together) over a block-paged pool.
 
     Args:
@@ -161,6 +164,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         group size. block_k: keys per inner step, a power of two >= 16. num_warps, num_stages:
         Triton launch knobs. interpret: run in Pallas interpret mode (CPU).
       window: sliding-window attention (static), as the oracle's; None: every earlier key.
+      softcap: logit soft-capping (static), as the oracle's; None: off.
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; rows past the last real sequence are 0.
     Raises:
@@ -188,4 +192,5 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     return _ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
                    jnp.asarray(layer), scales, scale=scale, block_m=block_m, block_k=block_k,
                    num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
-                   kv_dtype=kv_dtype, window=val.check_window(window))
+                   kv_dtype=kv_dtype, window=val.check_window(window),
+                   softcap=val.check_softcap(softcap))

@@ -21,7 +21,8 @@ from pallas_kernels.validation import scale_values, view_as
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      num_seqs, *, scale: float, layer=None, k_scale=None,
-                                     v_scale=None, kv_dtype=None, window: int | None = None):
+                                     v_scale=None, kv_dtype=None, window: int | None = None,
+                                     softcap: float | None = None):
     """Ragged paged attention over a block-paged KV pool (dense gather, float32 softmax).
 
     Args:
@@ -41,6 +42,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
       kv_dtype: the values' type when the pool holds their bits (uint16 / uint8), else None.
       window: sliding-window attention: a row at position p sees keys p - window + 1 .. p
         (transformers' sliding_window); None: every earlier key.
+      softcap: attention logit soft-capping (Gemma 2): scores become softcap x
+        tanh(scores / softcap) before the mask; None: off.
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).
@@ -67,6 +70,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
 
     k, v = gather(k_cache), gather(v_cache)
     s = jnp.einsum("thd,tchd->thc", q.astype(jnp.float32) * scale, k)
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
     kpos = jnp.arange(context)[None, :]
     visible = kpos <= pos[:, None]  # causal, and only this sequence
     if window is not None:

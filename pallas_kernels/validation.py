@@ -187,3 +187,12 @@ def check_window(window):
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     return window
+
+
+def check_softcap(softcap):
+    """Attention logit soft-capping: a positive number (a Python float), or None."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    return float(softcap)

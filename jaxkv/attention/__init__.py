@@ -45,14 +45,16 @@ def pallas_interpret() -> bool:
 
 def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
                      scale: float, layer=None, k_scale=None, v_scale=None, kv_dtype=None,
-                     decode_only: bool = False, window: int | None = None):
+                     decode_only: bool = False, window: int | None = None,
+                     softcap: float | None = None):
     """The Pallas kernels behind the oracle's signature (q float32/bfloat16 [num_tokens,
     num_q_heads, head_dim] -> the same shape and dtype; pools stacked with `layer`, or one
     layer's, with their scales when quantized and their values' type when they hold its bits;
     int32 tables as in pallas_kernels.reference). The ragged kernel, or, when the
     caller promises (static `decode_only`) that every real sequence has exactly one query row,
     so that row s is sequence s, the decode kernel. Rows past the last real sequence are zeros
-    either way. window: sliding-window attention (the oracle's). Raises ValueError
+    either way. window, softcap: sliding-window attention and logit soft-capping (the
+    oracle's). Raises ValueError
     (pallas_kernels.validation) for shapes the kernels refuse."""
     interpret = pallas_interpret()
     if not decode_only:
@@ -60,12 +62,13 @@ def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         return ragged_kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                              num_seqs, scale=scale, layer=layer, k_scale=k_scale,
                              v_scale=v_scale, kv_dtype=kv_dtype, interpret=interpret,
-                             block_m=max(DEFAULT_BLOCK_M, next_pow2(group)), window=window)
+                             block_m=max(DEFAULT_BLOCK_M, next_pow2(group)), window=window,
+                             softcap=softcap)
     rows = min(q.shape[0], block_tables.shape[0])
     lens = jnp.where(jnp.arange(rows) < num_seqs[0], seq_lens[:rows], 0)  # padding rows -> 0
     out = decode_kernel(q[:rows], k_cache, v_cache, block_tables[:rows], lens, scale=scale,
                         layer=layer, k_scale=k_scale, v_scale=v_scale, kv_dtype=kv_dtype,
-                        interpret=interpret, window=window)
+                        interpret=interpret, window=window, softcap=softcap)
     return jnp.pad(out, ((0, q.shape[0] - rows), (0, 0), (0, 0)))
 
 
@@ -73,8 +76,9 @@ def pallas_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
 class Attention:
     """An attention backend. `prepare(step, block_size)` runs once per step (inside the jitted
     step) and returns what every layer shares; `attend(q, pool, step, shared, *, layer,
-    scale, window=None)` -> [num_tokens, num_q_heads, head_dim] for a KVPool and a layer
-    index (window: the layer's sliding window, a static int, or None).
+    scale, window=None, softcap=None)` -> [num_tokens, num_q_heads, head_dim] for a KVPool
+    and a layer index (window: the layer's sliding window, a static int; softcap: its logit
+    soft-capping, a static float; None: off).
     `uses_decode_only`: whether the runner should mark decode-only steps (each such step shape
     is then a program of its own)."""
     name: str
@@ -88,27 +92,32 @@ def _xla_prepare(step: StepInput, block_size: int):
                            step.query_start_loc, step.num_seqs)
 
 
-def _xla_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale, window=None):
+def _xla_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale, window=None,
+                softcap=None):
     return xla_ragged_paged_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
                                       step.query_start_loc, step.num_seqs, scale=scale,
                                       layer=layer, k_scale=pool.k_scale, v_scale=pool.v_scale,
-                                      kv_dtype=pool.dtype, metadata=shared, window=window)
+                                      kv_dtype=pool.dtype, metadata=shared, window=window,
+                                      softcap=softcap)
 
 
-def _cpu_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale, window=None):
-    if window is not None:  # the C++ kernel has no window yet: the XLA path for these layers
-        return _xla_attend(q, pool, step, None, layer=layer, scale=scale, window=window)
+def _cpu_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale, window=None,
+                softcap=None):
+    if window is not None or softcap is not None:  # not in the C++ kernel yet: the XLA path
+        return _xla_attend(q, pool, step, None, layer=layer, scale=scale, window=window,
+                           softcap=softcap)
     return cpu_attention.ragged_paged_attention(
         q, pool.k, pool.v, step.block_tables, step.seq_lens, step.query_start_loc,
         step.num_seqs, scale=scale, layer=layer, k_scale=pool.k_scale, v_scale=pool.v_scale,
         kv_dtype=pool.dtype)
 
 
-def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale, window=None):
+def _pallas_attend(q, pool: KVPool, step: StepInput, shared, *, layer, scale, window=None,
+                   softcap=None):
     return pallas_attention(q, pool.k, pool.v, step.block_tables, step.seq_lens,
                             step.query_start_loc, step.num_seqs, scale=scale, layer=layer,
                             k_scale=pool.k_scale, v_scale=pool.v_scale, kv_dtype=pool.dtype,
-                            decode_only=step.decode_only, window=window)
+                            decode_only=step.decode_only, window=window, softcap=softcap)
 
 
 _BACKENDS = {
@@ -120,19 +129,20 @@ _BACKENDS = {
 
 
 def write_and_attend(attention: Attention, q, k, v, pool: KVPool, step: StepInput, shared, *,
-                     layer, scale: float, window: int | None = None):
+                     layer, scale: float, window: int | None = None,
+                     softcap: float | None = None):
     """One layer's paged attention: write this step's K/V ([T, num_kv_heads, head_dim]) into
     the pool at the slot mapping, then attend q [T, num_q_heads, head_dim] over it. For a pool
     stored rotated (int8, kv_pool.is_rotated) q, k and v are rotated first and the output is
     rotated back, which leaves the result unchanged but for quantization. window: the layer's
-    sliding window (None: global). Returns (output [T, num_q_heads, head_dim] in q's dtype,
+    sliding window (None: global); softcap: its logit soft-capping (None: off). Returns (output [T, num_q_heads, head_dim] in q's dtype,
     the updated pool)."""
     rotated = is_rotated(pool)
     if rotated:
         q, k, v = rotate(q), rotate(k), rotate(v)
     pool = write_kv(pool, k, v, step.slot_mapping, layer)
-    out = (attention.attend(q, pool, step, shared, layer=layer, scale=scale) if window is None
-           else attention.attend(q, pool, step, shared, layer=layer, scale=scale, window=window))
+    extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+    out = attention.attend(q, pool, step, shared, layer=layer, scale=scale, **extra)
     return (rotate(out) if rotated else out), pool
 
 
@@ -144,10 +154,10 @@ def per_shard(attention: Attention, mesh, axis: str = "tp") -> Attention:
     from jax.sharding import PartitionSpec as P
     heads = P(None, axis, None)
 
-    def attend(q, pool, step, shared, *, layer, scale, window=None):
+    def attend(q, pool, step, shared, *, layer, scale, **extra):
         pool_spec = split_by_kv_head(pool, axis)
         body = lambda q, pool, step, shared: attention.attend(  # noqa: E731
-            q, pool, step, shared, layer=layer, scale=scale, window=window)
+            q, pool, step, shared, layer=layer, scale=scale, **extra)
         return jax.shard_map(body, mesh=mesh, in_specs=(heads, pool_spec, P(), P()),
                              out_specs=heads, check_vma=False)(q, pool, step, shared)
     return dataclasses.replace(attention, attend=attend)

@@ -45,14 +45,15 @@ def _merge(state, s, v, bias):
     return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
 
-def _dense_tile(qf, k, v, bias):
+def _dense_tile(qf, k, v, bias, softcap=None):
     """Softmax pieces (m, l, acc) of rows qf [T, K, G, D] over shared keys k/v [S, K, D] with
     an additive 0/-inf mask bias [T, S]; KV-head-major so both products are plain batched
     GEMMs. (A boolean select in place of the bias runs 3-4x slower on XLA:CPU.)"""
     t, nk, g, d = qf.shape
     bias = bias[None, :, None, :]
     qk = qf.transpose(1, 0, 2, 3).reshape(nk, t * g, d)
-    s = jnp.einsum("kqd,ksd->kqs", qk, k.transpose(1, 0, 2)).reshape(nk, t, g, -1) + bias
+    s = jnp.einsum("kqd,ksd->kqs", qk, k.transpose(1, 0, 2)).reshape(nk, t, g, -1)
+    s = (s if softcap is None else jnp.tanh(s / softcap) * softcap) + bias
     m = jnp.max(s, axis=-1)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
     acc = jnp.einsum("kqs,ksd->kqd", p.reshape(nk, t * g, -1), v.transpose(1, 0, 2))
@@ -151,7 +152,7 @@ def _load(cache, scales, kv_dtype, layer, blk, shape):
     return x * s[..., None]
 
 
-def _row_attention(qf, pool, layer, tables, ctx, cb, block_size, window=None):
+def _row_attention(qf, pool, layer, tables, ctx, cb, block_size, window=None, softcap=None):
     """Softmax state (m, l, acc) of rows qf [R, K, G, D] over their first ctx keys (the last
     `window` of them with a sliding window), gathered per row from the pool (k, v, k_scale,
     v_scale, kv_dtype) in chunks of cb blocks; the trip count follows the longest ctx."""
@@ -164,6 +165,8 @@ def _row_attention(qf, pool, layer, tables, ctx, cb, block_size, window=None):
         k = _load(k_cache, k_scale, kv_dtype, layer, blk, (rows, ct, nk, d))
         v = _load(v_cache, v_scale, kv_dtype, layer, blk, (rows, ct, nk, d))
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
         kpos = c * ct + jnp.arange(ct, dtype=jnp.int32)
         seen = kpos[None, :] < ctx[:, None]
         if window is not None:
@@ -174,7 +177,8 @@ def _row_attention(qf, pool, layer, tables, ctx, cb, block_size, window=None):
     return jax.lax.fori_loop(0, (jnp.max(ctx) + ct - 1) // ct, chunk, _empty_state(rows, nk, g, d))
 
 
-def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows, window=None):
+def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows, window=None,
+                       softcap=None):
     """The segment path: for each real segment, gather its sequence's keys once per chunk of
     cb blocks, up to its last row, and attend its rows causally with GEMMs; the result
     replaces those rows of state. Trip counts: the real segments, then each one's chunks."""
@@ -201,7 +205,7 @@ def _segment_attention(qf, pool, layer, md, state, cb, block_size, seg_rows, win
             if window is not None:
                 seen &= kpos[None, :] > last[:, None] - window
             bias = jnp.where(seen, 0.0, -jnp.inf)
-            return _combine(acc, _dense_tile(q, k, v, bias))
+            return _combine(acc, _dense_tile(q, k, v, bias, softcap))
 
         trips = (md.seg_ctx[j] + ct - 1) // ct
         part = jax.lax.fori_loop(0, trips, chunk, _empty_state(r, nk, g, d))
@@ -219,7 +223,8 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
                                num_seqs, *, scale: float, layer=None, k_scale=None,
                                v_scale=None, kv_dtype=None, metadata: RaggedMetadata | None = None,
                                chunk_tokens: int = CHUNK_TOKENS,
-                               segment_rows: int = SEGMENT_ROWS, window: int | None = None):
+                               segment_rows: int = SEGMENT_ROWS, window: int | None = None,
+                               softcap: float | None = None):
     """Ragged paged attention over a block-paged KV pool: arguments, shapes and result as
     pallas_kernels.reference.ragged_paged_attention_reference (the layer of a stacked pool is
     chosen inside the gathers; no layer is sliced out), plus:
@@ -227,7 +232,7 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
         layers (it is computed here otherwise), made with the same chunk_tokens and
         segment_rows.
       chunk_tokens, segment_rows: tiling knobs (results agree to rounding).
-      window: sliding-window attention, as the oracle's (None: every earlier key).
+      window, softcap: sliding-window attention and logit soft-capping, as the oracle's.
     k_scale, v_scale, kv_dtype are those of the oracle: the scales of an int8 / float8 pool, or
     None; the values' type when the pool holds their bits, or None.
     """
@@ -246,12 +251,13 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, quer
 
     packed = md.row_idx.shape[0] < num_tokens
     qr = qf[jnp.minimum(md.row_idx, num_tokens - 1)] if packed else qf
-    state = _row_attention(qr, pool, layer, md.tables, md.ctx, cb, block_size, window)
+    state = _row_attention(qr, pool, layer, md.tables, md.ctx, cb, block_size, window, softcap)
     if packed:  # back to their rows; unused slots (index T) are dropped
         state = tuple(e.at[md.row_idx].set(x, mode="drop")
                       for e, x in zip(_empty_state(num_tokens, num_kv_heads, group, head_dim),
                                       state))
-    state = _segment_attention(qf, pool, layer, md, state, cb, block_size, segment_rows, window)
+    state = _segment_attention(qf, pool, layer, md, state, cb, block_size, segment_rows, window,
+                               softcap)
     _, l, acc = state
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -62,15 +62,25 @@ def apply_rope(x, cos, sin):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm in float32: Llama's w * x.astype(dtype); with `offset` Gemma's
+    (x * (1 + w)).astype(dtype) (its weights stored as w, about 0)."""
     eps: float
     dtype: jnp.dtype
+    offset: bool = False
 
     @nn.compact
     def __call__(self, x):
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + w.astype(jnp.float32))).astype(self.dtype)
         return w * xf.astype(self.dtype)
+
+
+def softcap(x, cap: float | None):
+    """Gemma's tanh soft-capping: cap * tanh(x / cap) (None: x)."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 class Linear(nn.Module):
@@ -145,7 +155,8 @@ class DecoderLayer(nn.Module):
         x, pool = carry
         c, dt, qs = self.cfg, self.dtype, self.quant
         t = x.shape[0]
-        h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
+        norm = lambda name: RMSNorm(c.rms_norm_eps, dt, c.gemma, name=name)  # noqa: E731
+        h = norm("input_layernorm")(x)
         mm = lambda x, *layers: matmul(x, layers, self.cpu_matmul)  # noqa: E731
         q, k, v = mm(h, Linear(c.num_heads * c.head_dim, c.attention_bias, dt, qs, name="q_proj"),
                      Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, qs, name="k_proj"),
@@ -154,21 +165,30 @@ class DecoderLayer(nn.Module):
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
+            q = norm("q_norm")(q)
+            k = norm("k_norm")(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, pool = write_and_attend(self.attention, q, k, v, pool, step, shared, layer=layer,
-                                   scale=c.head_dim ** -0.5, window=c.window(layer))
-        x = x + mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, qs, name="o_proj"))[0]
-        h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+                                   scale=c.attn_scale or c.head_dim ** -0.5,
+                                   window=c.window(layer), softcap=c.attn_softcap)
+        o = mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, qs, name="o_proj"))[0]
+        if c.gemma:  # Gemma's norms after attention and around the MLP
+            x = x + norm("post_attention_layernorm")(o)
+            h = norm("pre_feedforward_layernorm")(x)
+        else:
+            x = x + o
+            h = norm("post_attention_layernorm")(x)
         if layer in c.moe_layers:  # a sparse MLP (jaxkv/models/moe.py)
             y, _ = MoE(c, dt, Linear, mm, name="mlp")(h)
             return (x + y, pool), None
         g, u = mm(h, Linear(c.intermediate_size, False, dt, qs, name="gate_proj"),
                   Linear(c.intermediate_size, False, dt, qs, name="up_proj"))
-        x = x + mm(nn.silu(g) * u, Linear(c.hidden_size, False, dt, qs, name="down_proj"))[0]
-        return (x, pool), None
+        act = nn.gelu(g, approximate=True) if c.mlp_activation == "gelu_tanh" else nn.silu(g)
+        y = mm(act * u, Linear(c.hidden_size, False, dt, qs, name="down_proj"))[0]
+        if c.gemma:
+            y = norm("post_feedforward_layernorm")(y)
+        return (x + y, pool), None
 
 
 class LlamaModel(nn.Module):
@@ -196,12 +216,14 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(c, self.dtype, self.attention, self.cpu_matmul, self.quant,
                                     name=f"layers_{i}")
                        for i in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma, name="norm")
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, self.dtype, name="lm_head")
 
     def __call__(self, step: StepInput, kv):
         x = self.embed_tokens(step.input_ids)
+        if self.cfg.gemma:  # scaled by sqrt(hidden_size), rounded to the weights' dtype
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.dtype)
         rope = (step.rope_cos, step.rope_sin)  # from the host: see StepInput
         carry = (x, kv)
         shared = self.attention.prepare(step, kv.k.shape[2])  # once per step, for every layer
@@ -216,6 +238,10 @@ class LlamaModel(nn.Module):
         return self.logits(hidden), kv
 
     def logits(self, hidden):
+        """float32 [rows, vocab_size] of hidden [rows, hidden_size] (soft-capped for Gemma)."""
+        return softcap(self._raw_logits(hidden), self.cfg.final_softcap)
+
+    def _raw_logits(self, hidden):
         if not self.cfg.tie_word_embeddings:
             return matmul(hidden, [self.lm_head], self.cpu_matmul)[0].astype(jnp.float32)
         if isinstance(self.embed_tokens, QuantizedEmbed):

@@ -17,12 +17,14 @@ ARCHITECTURES = {
     "MixtralForCausalLM": dict(qk_norm=False),
     "Qwen2MoeForCausalLM": dict(qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qk_norm=True),
+    # Gemma 2: (1 + w) RMSNorms before and after attention and MLP, GeGLU, soft-capping.
+    "Gemma2ForCausalLM": dict(qk_norm=False),
 }
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -58,6 +60,16 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     # Each layer's sliding window (None: global attention); empty: every layer global.
     layer_windows: tuple = ()
+    # Gemma's departures (Gemma2ForCausalLM): RMSNorm weights as (1 + w), the embedding
+    # scaled by sqrt(hidden_size), norms before and after both attention and MLP ("sandwich"),
+    # the MLP's activation (silu, or gelu_tanh: GeGLU), tanh soft-capping of the attention
+    # scores and of the final logits, and the attention scale (query_pre_attn_scalar ** -0.5;
+    # None: head_dim ** -0.5).
+    gemma: bool = False
+    mlp_activation: str = "silu"
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_scale: float | None = None
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window in tokens (a query sees itself and the window - 1
@@ -99,7 +111,8 @@ class ModelConfig:
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             rope_scaling=tuple(sorted(rs.items())) if rs else None,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, sliding_window=window,
-            layer_windows=_layer_windows(cfg, window), **_moe_fields(arch, cfg))
+            layer_windows=_layer_windows(cfg, window, arch), **_moe_fields(arch, cfg),
+            **_gemma_fields(arch, cfg))
 
     def num_params(self, active: bool = False) -> int:
         """Parameters of the checkpoint (Llama family: embeddings, attention with optional
@@ -108,7 +121,7 @@ class ModelConfig:
         h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        layer = attn + 2 * h + (2 * hd if self.qk_norm else 0)
+        layer = attn + (4 if self.gemma else 2) * h + (2 * hd if self.qk_norm else 0)
         experts = self.num_experts_per_tok if active else self.num_experts
         moe = (experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
                + (3 * h * self.shared_expert_intermediate_size + h
@@ -144,16 +157,36 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
                 moe_layers=layers)
 
 
-def _layer_windows(cfg: dict, window: int | None) -> tuple:
+def _layer_windows(cfg: dict, window: int | None, arch: str = "") -> tuple:
     """Per layer: the window of a "sliding_attention" layer of transformers' layer_types, or
-    the model's sliding_window for every layer when it has no layer_types; () without one."""
+    without layer_types the model's sliding_window for every layer (Gemma 2: every other one,
+    from the first, as transformers fills them in); () without a window."""
     if window is None:
         return ()
     types = cfg.get("layer_types")
     n = cfg["num_hidden_layers"]
+    if types is None and arch == "Gemma2ForCausalLM":
+        return tuple(window if (i + 1) % 2 else None for i in range(n))
     if types is None:
         return (window,) * n
     if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types must name sliding_attention or full_attention for each of "
                          f"the {n} layers, got {types!r}"[:300])
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+GEGLU = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def _gemma_fields(arch: str, cfg: dict) -> dict:
+    """ModelConfig's Gemma fields (transformers' Gemma2Config names). ValueError naming the
+    field for an activation jaxkv does not run."""
+    if arch != "Gemma2ForCausalLM":
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEGLU:
+        raise ValueError(f"hidden_activation {act!r} is not supported (jaxkv runs {GEGLU})")
+    scalar = cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256
+    return dict(gemma=True, mlp_activation="gelu_tanh",
+                attn_softcap=cfg.get("attn_logit_softcapping"),
+                final_softcap=cfg.get("final_logit_softcapping"), attn_scale=float(scalar) ** -0.5)

@@ -21,6 +21,8 @@ from jaxkv.step_input import StepInput
 _LAYER_MAP = {  # flax module -> (HF suffix, transpose)
     "input_layernorm": ("input_layernorm", False),
     "post_attention_layernorm": ("post_attention_layernorm", False),
+    "pre_feedforward_layernorm": ("pre_feedforward_layernorm", False),
+    "post_feedforward_layernorm": ("post_feedforward_layernorm", False),
     "q_proj": ("self_attn.q_proj", True), "k_proj": ("self_attn.k_proj", True),
     "v_proj": ("self_attn.v_proj", True), "o_proj": ("self_attn.o_proj", True),
     "q_norm": ("self_attn.q_norm", False), "k_norm": ("self_attn.k_norm", False),

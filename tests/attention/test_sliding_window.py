@@ -1,8 +1,8 @@
-"""Sliding-window attention on every path: the oracle against plain windowed attention per
-sequence (float64 numpy), and the XLA path, both Pallas kernels (interpret mode) and the cpu
-backend's layers against the oracle, on random ragged batches (mixed prefill chunks and
-decodes, non-contiguous block tables, padding rows) with windows shorter than, equal to and
-longer than the contexts."""
+"""Sliding-window attention and logit soft-capping (Gemma 2) on every path: the oracle against
+plain attention per sequence (float64 numpy), and the XLA path, both Pallas kernels
+(interpret mode) and the cpu backend's layers against the oracle, on random ragged batches
+(mixed prefill chunks and decodes, non-contiguous block tables, padding rows) with windows
+shorter than, equal to and longer than the contexts."""
 
 import functools
 
@@ -23,13 +23,15 @@ DECODES = [([15, 16, 17, 90], [1, 1, 1, 1]), ([1, 64, 33], [1, 1, 1])]
 WINDOWS = [1, 5, 16, 37, 1000]
 
 
-def dense_window(q, k, v, window, scale):
+def dense_window(q, k, v, window, scale, softcap=None):
     """One sequence: q [T, H, D] of positions 0..T-1, k/v [T, KVH, D]; row p sees keys
-    p - window + 1 .. p."""
+    p - window + 1 .. p; scores soft-capped with `softcap`."""
     t, h, _ = q.shape
     g = h // k.shape[1]
     k, v = (np.repeat(x, g, axis=1).astype(np.float64) for x in (k, v))
     s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k) * scale
+    if softcap is not None:
+        s = np.tanh(s / softcap) * softcap
     p_, k_ = np.arange(t)[:, None], np.arange(t)[None, :]
     s = np.where(((k_ <= p_) & (k_ > p_ - window))[None], s, -np.inf)
     w = np.exp(s - s.max(axis=-1, keepdims=True))
@@ -43,10 +45,11 @@ def case(ctx, qlen, seed=0, block_size=16, group=2, head_dim=32):
     return args, n
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-def test_the_oracle_is_windowed_attention(window):
+@pytest.mark.parametrize("window,softcap", [(w, None) for w in WINDOWS] + [(5, 0.5), (1000, 0.5)])
+def test_the_oracle_is_windowed_attention(window, softcap):
     (q, k, v, tables, lens, qsl, ns), n = case([33, 70], [33, 20])
-    out = np.asarray(oracle(q, k, v, tables, lens, qsl, ns, scale=0.2, layer=1, window=window))
+    out = np.asarray(oracle(q, k, v, tables, lens, qsl, ns, scale=0.2, layer=1, window=window,
+                            softcap=softcap))
     t = 0
     for s, (c, m) in enumerate(zip([33, 70], [33, 20])):
         pos = np.arange(c)
@@ -54,7 +57,7 @@ def test_the_oracle_is_windowed_attention(window):
         vv = np.asarray(v)[1, np.asarray(tables)[s, pos // 16], pos % 16]
         qq = np.zeros((c, *q.shape[1:]), np.float32)
         qq[c - m:] = np.asarray(q)[t:t + m]
-        ref = dense_window(qq, kk, vv, window, 0.2)[c - m:]
+        ref = dense_window(qq, kk, vv, window, 0.2, softcap)[c - m:]
         assert np.abs(out[t:t + m] - ref).max() < 1e-5
         t += m
 
@@ -106,3 +109,23 @@ def test_the_engine_backends_pass_the_window():
     with pytest.raises(ValueError, match="window must be a positive int or None, got 0"):
         ragged_paged_attention(q, k, v, tables, lens, qsl, ns, scale=0.2, layer=1, window=0,
                                interpret=True)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("ctx,qlen", [CASES[2], DECODES[0]])
+@pytest.mark.parametrize("path", list(PATHS) + ["pallas_decode"])
+def test_softcap_on_every_path(path, ctx, qlen, window):
+    args, n = case(ctx, qlen)
+    kw = dict(scale=0.2, layer=1, window=window, softcap=0.5)
+    ref = np.asarray(oracle(*args, **kw))
+    if path == "pallas_decode":
+        if any(x != 1 for x in qlen):
+            pytest.skip("decode-only batches")
+        q, k, v, tables, lens, *_ = args
+        rows = len(ctx)
+        out = np.asarray(paged_attention(q[:rows], k, v, tables[:rows], lens[:rows], interpret=True,
+                                         **kw))
+        n = rows
+    else:
+        out = np.asarray(jax.jit(lambda *a: PATHS[path](*a, **kw))(*args))
+    assert np.abs(out[:n] - ref[:n]).max() / np.abs(ref[:n]).max() < 1e-5

@@ -1,6 +1,9 @@
 """Sliding-window models against transformers, float32: a tiny Mistral whose every layer has
-a window shorter than the prompts (Mistral 7B v0.1's scheme), and a tiny Qwen2 with windowed
-and global layers mixed (transformers' layer_types). Logits within 1e-4 relative through
+a window shorter than the prompts (Mistral 7B v0.1's scheme), a tiny Qwen2 with windowed
+and global layers mixed (transformers' layer_types), and a tiny Gemma 2 (local and global
+layers alternating, attention and final logit soft-capping made strong enough to matter,
+query_pre_attn_scalar, GeGLU, (1 + w) norms before and after attention and MLP, the
+embedding scaled by sqrt(hidden)). Logits within 1e-4 relative through
 prefill, chunks and decode, on the xla and cpu backends (the cpu backend's windowed layers
 take the XLA path); greedy tokens equal through one LLM.generate with prefix caching,
 chunked prefill, preemption, n=2 and speculative decoding."""
@@ -31,7 +34,11 @@ WINDOWED = {
     "qwen2_mixed": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
                     dict(use_sliding_window=True, sliding_window=9, max_window_layers=3,
                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(sliding_window=6, head_dim=16, query_pre_attn_scalar=24,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
 }
+WINDOWS = {"mistral": (7, 7, 7), "qwen2_mixed": (9, None, 9), "gemma2": (6, None, 6)}
 
 
 def make_windowed(name, path):
@@ -42,6 +49,8 @@ def make_windowed(name, path):
         for n, p in hf.named_parameters():
             if "bias" in n or "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
+            if name == "gemma2" and "proj" in n:  # scores and logits large enough to be capped
+                p.mul_(4.0)
     hf.save_pretrained(path, safe_serialization=True)
     tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
     return hf
@@ -59,8 +68,8 @@ def test_logits_match_transformers(windowed, backend):
     name, hf, path = windowed
     ckpt = load_hf_dir(str(path))
     mc = ModelConfig.from_hf_config(ckpt.config)
-    want = {"mistral": (7, 7, 7), "qwen2_mixed": (9, None, 9)}[name]
-    assert tuple(mc.window(i) for i in range(3)) == want
+    assert tuple(mc.window(i) for i in range(3)) == WINDOWS[name]
+    assert mc.num_params() == sum(p.numel() for p in hf.parameters())
     model = LlamaModel(mc, attention=get_attention(backend))
     params = params_from_tensors(model, ckpt.tensors)
     config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
