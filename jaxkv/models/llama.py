@@ -33,12 +33,22 @@ from jaxkv.step_input import StepInput
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] (float64 -> float32), llama3 scaling as in
-    transformers' _compute_llama3_parameters."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
-    if cfg.rope_scaling:
-        rs = dict(cfg.rope_scaling)
+    """Inverse frequencies [head_dim // 2] (float64 -> float32), linear and llama3 scaling as
+    in transformers' _compute_linear_scaling_rope_parameters / _compute_llama3_parameters.
+    With a local RoPE base (Gemma 3) the local layers' unscaled ones follow:
+    [head_dim] = global ++ local (LlamaModel splits the tables)."""
+    glob = _inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_local_theta is None:
+        return glob
+    return np.concatenate([glob, _inv_freq(cfg.head_dim, cfg.rope_local_theta, None)])
+
+
+def _inv_freq(d: int, theta: float, scaling) -> np.ndarray:
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    if scaling and dict(scaling).get("rope_type", dict(scaling).get("type")) == "linear":
+        return (inv / dict(scaling)["factor"]).astype(np.float32)
+    if scaling:
+        rs = dict(scaling)
         factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]
         lo_wl, hi_wl = old / lo, old / hi
@@ -225,10 +235,15 @@ class LlamaModel(nn.Module):
         if self.cfg.gemma:  # scaled by sqrt(hidden_size), rounded to the weights' dtype
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.dtype)
         rope = (step.rope_cos, step.rope_sin)  # from the host: see StepInput
+        local = rope
+        if self.cfg.rope_local_theta is not None:  # [T, D]: global ++ local (rope_inv_freq)
+            half = self.cfg.head_dim // 2
+            local = tuple(t[:, half:] for t in rope)
+            rope = tuple(t[:, :half] for t in rope)
         carry = (x, kv)
         shared = self.attention.prepare(step, kv.k.shape[2])  # once per step, for every layer
         for i, layer in enumerate(self.layers):
-            carry, _ = layer(carry, i, rope, step, shared)
+            carry, _ = layer(carry, i, local if self.cfg.window(i) else rope, step, shared)
         x, kv = carry
         return self.norm(x), kv
 

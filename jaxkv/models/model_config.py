@@ -17,14 +17,19 @@ ARCHITECTURES = {
     "MixtralForCausalLM": dict(qk_norm=False),
     "Qwen2MoeForCausalLM": dict(qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qk_norm=True),
-    # Gemma 2: (1 + w) RMSNorms before and after attention and MLP, GeGLU, soft-capping.
+    # Gemma 2: (1 + w) RMSNorms before and after attention and MLP, GeGLU, soft-capping;
+    # Gemma 3 (text): the same with q/k norms and a RoPE table of its own for local layers.
     "Gemma2ForCausalLM": dict(qk_norm=False),
+    "Gemma3ForCausalLM": dict(qk_norm=True),
 }
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM"}
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -66,6 +71,9 @@ class ModelConfig:
     # scores and of the final logits, and the attention scale (query_pre_attn_scalar ** -0.5;
     # None: head_dim ** -0.5).
     gemma: bool = False
+    # Gemma 3: the sliding-window layers' RoPE base (their own table, unscaled); None: one
+    # table (rope_theta, rope_scaling) for every layer.
+    rope_local_theta: float | None = None
     mlp_activation: str = "silu"
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -87,15 +95,7 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if rs is not None:
-            rs = {k: v for k, v in rs.items() if k != "rope_theta"}
-            kind = rs.get("rope_type", rs.get("type", "default"))
-            if kind == "default":
-                rs = None
-            elif kind != "llama3":
-                raise ValueError(f"rope_scaling type {kind!r} is not supported (default and llama3 are)")
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        theta, rs, local_theta = _rope(arch, cfg)
         window = cfg.get("sliding_window") or None
         if arch in _QWEN and not cfg.get("use_sliding_window", False):
             window = None
@@ -109,9 +109,10 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
                                 or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
-            rope_scaling=tuple(sorted(rs.items())) if rs else None,
+            rope_scaling=rs,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, sliding_window=window,
-            layer_windows=_layer_windows(cfg, window, arch), **_moe_fields(arch, cfg),
+            layer_windows=_layer_windows(cfg, window, arch), rope_local_theta=local_theta,
+            **_moe_fields(arch, cfg),
             **_gemma_fields(arch, cfg))
 
     def num_params(self, active: bool = False) -> int:
@@ -165,8 +166,9 @@ def _layer_windows(cfg: dict, window: int | None, arch: str = "") -> tuple:
         return ()
     types = cfg.get("layer_types")
     n = cfg["num_hidden_layers"]
-    if types is None and arch == "Gemma2ForCausalLM":
-        return tuple(window if (i + 1) % 2 else None for i in range(n))
+    if types is None and arch in _GEMMA:  # transformers' defaults: 1 of 2 / 6 layers global
+        every = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+        return tuple(window if (i + 1) % every else None for i in range(n))
     if types is None:
         return (window,) * n
     if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
@@ -178,10 +180,37 @@ def _layer_windows(cfg: dict, window: int | None, arch: str = "") -> tuple:
 GEGLU = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
+def _rope(arch: str, cfg: dict) -> tuple:
+    """(rope_theta, rope_scaling as sorted items or None, the local layers' theta or None).
+    transformers 5 nests Gemma 3's per layer type (rope_parameters: {"full_attention": {...},
+    "sliding_attention": {...}}); older configs say rope_theta, rope_local_base_freq and
+    rope_scaling. ValueError naming a scaling type jaxkv does not implement."""
+    params = cfg.get("rope_parameters") or {}
+    local = None
+    if arch == "Gemma3ForCausalLM":
+        nested = "full_attention" in params
+        glob = dict(params.get("full_attention") or {}) if nested else dict(cfg.get("rope_scaling") or {})
+        theta = glob.pop("rope_theta", None) or cfg.get("rope_theta") or 1_000_000.0
+        local = ((params.get("sliding_attention") or {}).get("rope_theta") if nested else None) \
+            or cfg.get("rope_local_base_freq") or 10_000.0
+        rs = glob or None
+    else:
+        rs = cfg.get("rope_scaling") or params or None
+        rs = None if rs is None else {k: v for k, v in rs.items() if k != "rope_theta"}
+        theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    if rs is not None:
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind == "default":
+            rs = None
+        elif kind not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)} are)")
+    return float(theta), (tuple(sorted(rs.items())) if rs else None), (float(local) if local else None)
+
+
 def _gemma_fields(arch: str, cfg: dict) -> dict:
-    """ModelConfig's Gemma fields (transformers' Gemma2Config names). ValueError naming the
-    field for an activation jaxkv does not run."""
-    if arch != "Gemma2ForCausalLM":
+    """ModelConfig's Gemma fields (transformers' Gemma2Config / Gemma3TextConfig names).
+    ValueError naming the field for an activation jaxkv does not run."""
+    if arch not in _GEMMA:
         return {}
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GEGLU:

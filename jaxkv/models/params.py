@@ -38,7 +38,8 @@ def param_shapes(model) -> dict:
     pool = jax.eval_shape(lambda: new_kv_pool((c.num_layers, 2, 1, c.num_kv_heads, c.head_dim),
                                               model.dtype))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    f32 = jax.ShapeDtypeStruct((1, c.head_dim // 2), jnp.float32)
+    from jaxkv.models.llama import rope_inv_freq
+    f32 = jax.ShapeDtypeStruct((1, rope_inv_freq(c).shape[0]), jnp.float32)
     step = StepInput(i32(1), i32(1), i32(1), i32(1, 1), i32(1), i32(2), i32(1), i32(1), f32, f32,
                      i32(1))
     shapes = jax.eval_shape(lambda step, kv: model.init(

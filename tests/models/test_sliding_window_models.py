@@ -1,9 +1,10 @@
 """Sliding-window models against transformers, float32: a tiny Mistral whose every layer has
 a window shorter than the prompts (Mistral 7B v0.1's scheme), a tiny Qwen2 with windowed
-and global layers mixed (transformers' layer_types), and a tiny Gemma 2 (local and global
+and global layers mixed (transformers' layer_types), a tiny Gemma 2 (local and global
 layers alternating, attention and final logit soft-capping made strong enough to matter,
 query_pre_attn_scalar, GeGLU, (1 + w) norms before and after attention and MLP, the
-embedding scaled by sqrt(hidden)). Logits within 1e-4 relative through
+embedding scaled by sqrt(hidden)) and a tiny Gemma 3 (q/k norms, two local layers to one
+global, the local layers' RoPE base apart from the global one's linear-scaled one). Logits within 1e-4 relative through
 prefill, chunks and decode, on the xla and cpu backends (the cpu backend's windowed layers
 take the XLA path); greedy tokens equal through one LLM.generate with prefix caching,
 chunked prefill, preemption, n=2 and speculative decoding."""
@@ -37,8 +38,16 @@ WINDOWED = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                dict(sliding_window=6, head_dim=16, query_pre_attn_scalar=24,
                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(sliding_window=5, head_dim=16, query_pre_attn_scalar=24,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                        "rope_theta": 100000.0},
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 100.0}})),
 }
-WINDOWS = {"mistral": (7, 7, 7), "qwen2_mixed": (9, None, 9), "gemma2": (6, None, 6)}
+WINDOWS = {"mistral": (7, 7, 7), "qwen2_mixed": (9, None, 9), "gemma2": (6, None, 6),
+           "gemma3": (5, 5, None)}
 
 
 def make_windowed(name, path):
@@ -49,7 +58,7 @@ def make_windowed(name, path):
         for n, p in hf.named_parameters():
             if "bias" in n or "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
-            if name == "gemma2" and "proj" in n:  # scores and logits large enough to be capped
+            if name.startswith("gemma") and "proj" in n:  # scores and logits large enough to matter
                 p.mul_(4.0)
     hf.save_pretrained(path, safe_serialization=True)
     tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
