@@ -119,6 +119,10 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "devices the model is split over (tensor parallelism on "
                                      "a JAX mesh: heads and MLP columns per device, the KV pool by "
                                      "KV head)")
+    enable_expert_parallel: bool = _arg(False, "a mixture of experts places whole experts on "
+                                        "each device of the tensor-parallel mesh (num_experts / "
+                                        "tensor_parallel_size each) instead of splitting every "
+                                        "expert's columns")
     distributed_coordinator: str | None = _arg(
         None, "HOST:PORT of process 0's jax.distributed coordinator, for one engine over the "
         "devices of several processes or hosts (none: JAX's environment, "

@@ -84,6 +84,8 @@ class RunnerConfig:
     async_scheduling: bool = False
     # The decoder layers' weights quantized (jaxkv/quantization), None: in `dtype`.
     quantization: QuantSpec | None = None
+    # A mixture of experts' experts placed whole per device (else each expert's columns split).
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,11 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
     check_tensor_parallel(mc, args.tensor_parallel_size)
     check_quantized_split(quant, mc, args.tensor_parallel_size)
     check_layer_shapes(quant, mc)
+    if args.enable_expert_parallel and not mc.num_experts:
+        raise ValueError(f"enable_expert_parallel: {mc.architecture} has no experts")
+    if args.enable_expert_parallel and mc.num_experts % args.tensor_parallel_size:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {args.tensor_parallel_size} "
+                         f"must divide num_experts ({mc.num_experts})")
     if quant is not None and mc.num_experts:
         raise ValueError(f"quantization {quant.name!r}: quantized mixture-of-experts weights "
                          f"({mc.architecture}) are not supported yet")
@@ -282,7 +289,8 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
         runner=dataclasses.replace(
             _runner_config(args, mc, platform, dtype, buckets, speculative, num_processes,
-                           cpu_kernels_unavailable), quantization=quant),
+                           cpu_kernels_unavailable), quantization=quant,
+            expert_parallel=args.enable_expert_parallel),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
 

@@ -7,7 +7,8 @@ attention and its slice of the MLP, and XLA inserts the all-reduce after o_proj 
 layers split the same way: their packed weights, per-group scales and zero points along the
 same axis as the kernel, per-channel scales with the columns (jaxkv/quantization/linear.py).
 A mixture of experts splits every expert's intermediate dimension as a dense MLP's (vLLM's
-default); its router and a shared expert's gate are replicated. The
+default), or with expert parallelism places whole experts per device; its router and a
+shared expert's gate are replicated. The
 embedding and the LM head are split by vocabulary when it divides. The KV pool is split by KV
 head; when there are fewer KV heads than devices (and the device count is a multiple of
 them) K/V are replicated, as vLLM replicates them. Norms and everything of the host
@@ -45,8 +46,9 @@ def kv_heads_split(cfg, mesh: Mesh | None) -> bool:
     return mesh is not None and cfg.num_kv_heads % mesh.size == 0
 
 
-def param_specs(params, cfg, mesh: Mesh):
-    """PartitionSpecs of the LlamaModel parameter tree (jaxkv.models.llama names)."""
+def param_specs(params, cfg, mesh: Mesh, expert_parallel: bool = False):
+    """PartitionSpecs of the LlamaModel parameter tree (jaxkv.models.llama names);
+    expert_parallel: a mixture of experts' experts split whole over the mesh."""
     kv = kv_heads_split(cfg, mesh)
     vocab = cfg.vocab_size % mesh.size == 0
     cols = {"q_proj": True, "k_proj": kv, "v_proj": kv, "gate_proj": True, "up_proj": True,
@@ -54,6 +56,8 @@ def param_specs(params, cfg, mesh: Mesh):
     rows = ("o_proj", "down_proj", "shared_down_proj")
     experts = {"gate_proj": P(None, None, AXIS), "up_proj": P(None, None, AXIS),
                "down_proj": P(None, AXIS, None)}  # [E, hidden, inter] / [E, inter, hidden]
+    if expert_parallel:  # whole experts per device
+        experts = dict.fromkeys(experts, P(AXIS, None, None))
 
     def spec(path, x):
         names = [str(getattr(p, "key", p)) for p in path]
@@ -74,8 +78,9 @@ def param_specs(params, cfg, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def param_shardings(params, cfg, mesh: Mesh):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, cfg, mesh))
+def param_shardings(params, cfg, mesh: Mesh, expert_parallel: bool = False):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        param_specs(params, cfg, mesh, expert_parallel))
 
 
 def kv_pool_specs(pool, cfg, mesh: Mesh):

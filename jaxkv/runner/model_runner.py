@@ -113,7 +113,8 @@ class ModelRunner:
         if self.mesh is not None:
             if jax.process_count() > 1:  # across processes JAX places host arrays only (each
                 params = jax.device_get(params)  # process keeps its own devices' slices)
-            params = jax.device_put(params, sh.param_shardings(params, self.model.cfg, self.mesh))
+            params = jax.device_put(params, sh.param_shardings(
+                params, self.model.cfg, self.mesh, self.config.runner.expert_parallel))
         self.params = params
         self.kv_cache = self._new_kv_cache()
         self.kv_spec = jax.tree.map(

@@ -133,3 +133,13 @@ def test_what_moe_models_refuse(tmp_path):
         EngineArgs(quantization="fp8").create_engine_config(platform="cpu", model_config=mc)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         EngineArgs(tensor_parallel_size=3).create_engine_config(platform="cpu", model_config=mc)
+    import dataclasses
+    six = dataclasses.replace(mc, num_experts=6)
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: tensor_parallel_size 4 must "
+                                         r"divide num_experts \(6\)"):
+        EngineArgs(enable_expert_parallel=True, tensor_parallel_size=4).create_engine_config(
+            platform="cpu", model_config=six)
+    from jaxkv.loader.source import read_config
+    dense = ModelConfig.from_hf_config(read_config(None))
+    with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no experts"):
+        EngineArgs(enable_expert_parallel=True).create_engine_config(platform="cpu", model_config=dense)

@@ -116,3 +116,6 @@ def test_mixtures_of_experts_split_each_expert_and_give_the_tp1_tokens():
         two = r[f"{name}2"]
         assert two["gate_proj"] == "P(None, None, 'tp')" and two["down_proj"] == "P(None, 'tp', None)"
         assert two["router"] == "P()"
+        ep = r[f"{name}2ep"]  # whole experts per device
+        same_tokens(ep, r[f"{name}1"], f"{name}, TP 2 with expert parallelism")
+        assert ep["gate_proj"] == ep["down_proj"] == "P('tp', None, None)"

@@ -140,7 +140,8 @@ def quantized(prompts) -> dict:
 
 
 def moe(prompts) -> dict:
-    """Mixtral and Qwen2-MoE (a shared expert) at TP 1 and 2: tokens and the experts' split."""
+    """Mixtral and Qwen2-MoE (a shared expert) at TP 1 and 2, and at TP 2 with expert
+    parallelism: tokens and the experts' split."""
     import pathlib
 
     from jaxkv import LLM
@@ -149,11 +150,11 @@ def moe(prompts) -> dict:
     for name in ("mixtral", "qwen2_moe"):
         d = pathlib.Path(tempfile.mkdtemp())
         make_moe(name, d)
-        for tp in (1, 2):
-            llm = LLM(model=str(d), tensor_parallel_size=tp, **ENGINE)
+        for tp, ep in ((1, False), (2, False), (2, True)):
+            llm = LLM(model=str(d), tensor_parallel_size=tp, enable_expert_parallel=ep, **ENGINE)
             mlp = llm.llm_engine.runner.params["layers_0"]["mlp"]
             spec = lambda x: str(getattr(x.sharding, "spec", "single"))  # noqa: E731
-            out[f"{name}{tp}"] = {**run(llm, prompts, 8), "gate_proj": spec(mlp["gate_proj"]),
+            out[f"{name}{tp}{'ep' if ep else ''}"] = {**run(llm, prompts, 8), "gate_proj": spec(mlp["gate_proj"]),
                                   "down_proj": spec(mlp["down_proj"]), "router": spec(mlp["router"])}
             llm.llm_engine.shutdown()
     return out
