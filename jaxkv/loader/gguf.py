@@ -1,7 +1,8 @@
 """GGUF file -> `Checkpoint`: HF-style config, float32 tensors under HF names, tokenizer.
 
-Supported `general.architecture` values: "llama" (Llama, SmolLM2, Mistral written as llama),
-"qwen2" and "qwen3". The header is parsed here (gguf.GGUFReader spends ~3 s decoding the
+Supported `general.architecture` values: "llama" (Llama, SmolLM2, Mistral written as llama;
+Mixtral: "llama" with an expert count), "qwen2", "qwen3" and "qwen3moe"; stacked expert
+tensors are split into the HF names of each expert. The header is parsed here (gguf.GGUFReader spends ~3 s decoding the
 vocabulary) by `gguf_header.py`; tensors are dequantized with `gguf.quants.dequantize`; torch is never imported.
 For SmolLM2 the tensors equal what transformers loads from the same file bit for bit.
 """
@@ -23,7 +24,13 @@ EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # general.architecture -> (HF architectures entry, HF model_type)
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                  "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+                  "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+                  "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+# llama.cpp's mixture-of-experts tensors: the router, and each layer's experts stacked
+# [experts, out, in]; the loader gives them the HF names of each expert (split).
+_MOE = {"ffn_gate_inp": "gate", "ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+        "ffn_down_exps": "down_proj"}
+_MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # GGUF leaf name inside blk.N -> HF name inside model.layers.N
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -89,9 +96,24 @@ def _config(meta: dict, infos: dict) -> dict[str, Any]:
         "rope_scaling": _rope_scaling(meta, arch, head_dim, rope_theta),
         "attention_bias": "blk.0.attn_q.bias" in infos,
         "sliding_window": key("attention.sliding_window", None),
+        **_moe_config(arch, key),
         # The weights' block types, for --quantization gguf (the default dequantizes them).
         "quantization_config": {"quant_method": "gguf", "tensor_types": _tensor_types(infos)},
     }
+
+
+def _moe_config(arch: str, key) -> dict[str, Any]:
+    """HF config keys of a mixture of experts: llama.cpp writes Mixtral as "llama" with an
+    expert count (its experts as wide as feed_forward_length), Qwen3-MoE as "qwen3moe"."""
+    n = key("expert_count", 0)
+    if not n:
+        return {}
+    used = key("expert_used_count")
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": n, "num_experts_per_tok": used}
+    return {"num_experts": n, "num_experts_per_tok": used, "norm_topk_prob": True,
+            "moe_intermediate_size": key("expert_feed_forward_length")}
 
 
 def _tensor_types(infos: dict) -> dict[str, str]:
@@ -142,14 +164,24 @@ def _llama3_scaling(rope_factors: np.ndarray, head_dim: int, rope_theta: float) 
             "high_freq_factor": high, "original_max_position_embeddings": original}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     """HF parameter name for a GGUF tensor name ("blk.3.attn_q.weight" ->
-    "model.layers.3.self_attn.q_proj.weight"); None for rope_freqs.weight. ValueError for others."""
+    "model.layers.3.self_attn.q_proj.weight"); None for rope_freqs.weight; a stacked expert
+    tensor's name with "{e}" for the expert ("model.layers.3.mlp.experts.{e}.gate_proj.weight",
+    Mixtral's w1 / w3 / w2 under block_sparse_moe). ValueError for others."""
     if gguf_name in _NO_HF_NAME:
         return None
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
+    moe = _BLOCK.match(gguf_name)
+    if moe is not None and moe.group(2) in _MOE:
+        layer, leaf = moe.group(1), _MOE[moe.group(2)]
+        mixtral = model_type == "mixtral"
+        prefix = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+        if leaf == "gate":
+            return f"{prefix}.gate.{suffix}"
+        return f"{prefix}.experts.{{e}}.{_MIXTRAL[leaf] if mixtral else leaf}.{suffix}"
     match = _BLOCK.match(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
@@ -188,11 +220,11 @@ def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
     meta, infos = read_gguf_metadata(path)
     config = _config(meta, infos)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    permuted = config["model_type"] == "llama"
+    permuted = config["model_type"] in ("llama", "mixtral")  # llama.cpp permutes both
     tensors: dict[str, np.ndarray] = {}
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for gguf_name, (dims, kind, offset) in infos.items():
-        name = hf_tensor_name(gguf_name)
+        name = hf_tensor_name(gguf_name, config["model_type"])
         if name is None:
             continue
         kind = GGMLQuantizationType(kind)
@@ -210,6 +242,10 @@ def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
         w = dequantize(raw.reshape(*shape[:-1], row_bytes), kind).reshape(shape)
         if unpermute:
             w = unpermute(w)
+        if "{e}" in name:  # stacked experts [E, out, in]: one HF tensor each
+            for e in range(w.shape[0]):
+                tensors[name.format(e=e)] = np.array(w[e], dtype=np.float32)
+            continue
         # F32/F16 views of the file are copied so no array keeps the file mapped.
         tensors[name] = np.array(w, dtype=np.float32, copy=True if np.may_share_memory(w, data) else None)
     del data

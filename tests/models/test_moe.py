@@ -38,10 +38,12 @@ MOE = {
 }
 
 
-def make_moe(name, path, common: dict = COMMON):
-    """A tiny random transformers MoE model of family `name`, saved with safetensors at `path`;
-    routers drawn wide so that tokens spread over the experts."""
+def make_moe(name, path, common: dict = COMMON, **overrides):
+    """A tiny random transformers MoE model of family `name` (config fields `overrides`
+    changed), saved with safetensors at `path`; routers drawn wide so that tokens spread over
+    the experts."""
     cfg_cls, model_cls, extra = MOE[name]
+    extra = {**extra, **overrides}
     torch.manual_seed(0)
     hf = model_cls(cfg_cls(**common, **extra)).eval()
     with torch.no_grad():
@@ -143,3 +145,78 @@ def test_what_moe_models_refuse(tmp_path):
     dense = ModelConfig.from_hf_config(read_config(None))
     with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no experts"):
         EngineArgs(enable_expert_parallel=True).create_engine_config(platform="cpu", model_config=dense)
+
+
+def write_moe_gguf(hf, name, folder, path):
+    """The transformers model `hf` of family `name`, saved at `folder`, written as llama.cpp
+    writes it: Mixtral as
+    "llama" with an expert count (q/k rows permuted), Qwen3-MoE as "qwen3moe"; routers as
+    ffn_gate_inp, each layer's experts stacked [experts, out, in] as ffn_{gate,up,down}_exps."""
+    import gguf
+
+    from tests.loader.test_gguf import llama_cpp_permute
+    c = hf.config
+    arch = "llama" if name == "mixtral" else "qwen3moe"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers), w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_vocab_size(c.vocab_size)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim), w.add_value_length(head_dim)
+    w.add_expert_count(c.num_local_experts), w.add_expert_used_count(c.num_experts_per_tok)
+    if name != "mixtral":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    from jaxkv.loader.hf import load_hf_tensors  # the saved (per-expert) tensors
+    sd = {k: np.asarray(v, np.float32) for k, v in load_hf_tensors(folder).items()}
+    moe = "block_sparse_moe" if name == "mixtral" else "mlp"
+    experts = {"gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    leaves = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", f"{moe}.gate": "ffn_gate_inp"}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf_leaf, g in leaves.items():
+            names[f"{p}{hf_leaf}.weight"] = f"blk.{i}.{g}.weight"
+        for g, (mixtral, qwen) in experts.items():
+            leaf = mixtral if name == "mixtral" else qwen
+            if f"{p}{moe}.experts.0.{leaf}.weight" not in sd:
+                continue  # a dense layer (Qwen3-MoE's mlp_only_layers)
+            stack = [sd.pop(f"{p}{moe}.experts.{e}.{leaf}.weight") for e in range(c.num_local_experts)]
+            w.add_tensor(f"blk.{i}.ffn_{g}_exps.weight", np.ascontiguousarray(np.stack(stack)))
+    for k, v in sd.items():
+        g = names[k]
+        if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
+            v = llama_cpp_permute(v, c.num_attention_heads if "attn_q" in g else c.num_key_value_heads)
+        w.add_tensor(g, np.ascontiguousarray(v))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
+    from jaxkv import LLM, SamplingParams
+    hf = make_moe(name, tmp_path / "hf", mlp_only_layers=[])  # llama.cpp's qwen3moe: all MoE
+    write_moe_gguf(hf, name, tmp_path / "hf", tmp_path / "m.gguf")
+    from jaxkv.loader.gguf import load_gguf
+    from jaxkv.loader.hf import load_hf_tensors
+    ours = load_gguf(tmp_path / "m.gguf", with_tokenizer=False).tensors
+    theirs = load_hf_tensors(tmp_path / "hf")
+    assert set(ours) == set(theirs)  # every expert of every layer, q/k rows un-permuted
+    for k, v in theirs.items():
+        assert np.array_equal(ours[k], np.asarray(v, np.float32)), k
+    kw = dict(tokenizer=str(tmp_path / "hf"), max_model_len=128, max_num_batched_tokens=64,
+              token_buckets=(8, 64), kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(3, COMMON["vocab_size"], n).tolist()} for n in (5, 17, 30)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = LLM(model=str(tmp_path / "m.gguf"), **kw).generate(prompts, sp, use_tqdm=False)
+    assert a[0].outputs[0].token_ids  # the GGUF's config: the right family
+    b = LLM(model=str(tmp_path / "hf"), **kw).generate(prompts, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids, name
