@@ -161,12 +161,7 @@ class EngineArgs:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad(name, "must be a positive integer")
 
-        if self.dtype not in DTYPES:
-            bad("dtype", f"must be one of {DTYPES}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            bad("quantization", f"must be one of {QUANTIZATIONS} or None")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
+        self._check_dtypes(bad)
         pos_int("block_size")
         if self.block_size & (self.block_size - 1):
             bad("block_size", "must be a power of two")
@@ -217,6 +212,14 @@ class EngineArgs:
         """Bytes of the host tier (swap_space or kv_offloading_size, in GiB)."""
         gib = self.kv_offloading_size if self.kv_offloading_size is not None else self.swap_space
         return int(gib * (1 << 30))
+
+    def _check_dtypes(self, bad) -> None:
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            bad("quantization", f"must be one of {QUANTIZATIONS} or None")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
 
     def _check_tiers(self, bad) -> None:
         for name in ("swap_space", "kv_offloading_size"):

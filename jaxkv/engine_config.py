@@ -116,7 +116,7 @@ def check_tensor_parallel(cfg, n: int) -> None:
     if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {n} and num_key_value_heads ({cfg.num_kv_heads}) "
                          "must divide one another (KV heads are split, or replicated when fewer)")
-    if cfg.intermediate_size % n:
+    if cfg.intermediate_size % n and len(cfg.moe_layers) < cfg.num_layers:  # a dense MLP to split
         raise ValueError(f"tensor_parallel_size {n} must divide intermediate_size "
                          f"({cfg.intermediate_size})")
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
@@ -267,17 +267,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         raise ValueError(f"speculative_config.num_speculative_tokens ({speculative.num_speculative_tokens}) "
                          f"must be less than max_num_batched_tokens ({mnbt}): a draft shares the "
                          "step's token budget with its request's own token")
-    check_tensor_parallel(mc, args.tensor_parallel_size)
-    check_quantized_split(quant, mc, args.tensor_parallel_size)
-    check_layer_shapes(quant, mc)
-    if args.enable_expert_parallel and not mc.num_experts:
-        raise ValueError(f"enable_expert_parallel: {mc.architecture} has no experts")
-    if args.enable_expert_parallel and mc.num_experts % args.tensor_parallel_size:
-        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {args.tensor_parallel_size} "
-                         f"must divide num_experts ({mc.num_experts})")
-    if quant is not None and mc.num_experts:
-        raise ValueError(f"quantization {quant.name!r}: quantized mixture-of-experts weights "
-                         f"({mc.architecture}) are not supported yet")
+    _check_layout(args, mc, quant)
     cache = _cache_config(args, mc, dtype, max_model_len, device_memory_bytes, quant)
     if num_processes > 1 and cache.num_host_blocks:  # also when the job came from JAX's environment
         raise ValueError("swap_space is not supported by a multi-process engine yet")
@@ -293,6 +283,23 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
             expert_parallel=args.enable_expert_parallel),
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
+
+
+def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
+    """ValueError in one line when the model's weights cannot be laid out as asked: heads,
+    columns, int4 groups or experts a tensor-parallel mesh cannot split, quantized experts."""
+    tp = args.tensor_parallel_size
+    check_tensor_parallel(mc, tp)
+    check_quantized_split(quant, mc, tp)
+    check_layer_shapes(quant, mc)
+    if args.enable_expert_parallel and not mc.num_experts:
+        raise ValueError(f"enable_expert_parallel: {mc.architecture} has no experts")
+    if args.enable_expert_parallel and mc.num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp} must divide "
+                         f"num_experts ({mc.num_experts})")
+    if quant is not None and mc.num_experts:
+        raise ValueError(f"quantization {quant.name!r}: quantized mixture-of-experts weights "
+                         f"({mc.architecture}) are not supported yet")
 
 
 def _max_model_len(asked: int | None, mc: ModelConfig) -> int:

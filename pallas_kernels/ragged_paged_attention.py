@@ -162,9 +162,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         uint8 for float8; each loaded block is bitcast), else None.
       block_m: query rows (token x group head) per program, a power of two >= 16 and >= the
         group size. block_k: keys per inner step, a power of two >= 16. num_warps, num_stages:
-        Triton launch knobs. interpret: run in Pallas interpret mode (CPU).
-      window: sliding-window attention (static), as the oracle's; None: every earlier key.
-      softcap: logit soft-capping (static), as the oracle's; None: off.
+        Triton launch knobs. interpret: Pallas interpret mode (CPU). window, softcap: as the oracle's.
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; rows past the last real sequence are 0.
     Raises:

@@ -40,10 +40,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
         stored value times its token's and KV head's scale is the key (value); None otherwise.
         uint16 scales hold bfloat16 bits.
       kv_dtype: the values' type when the pool holds their bits (uint16 / uint8), else None.
-      window: sliding-window attention: a row at position p sees keys p - window + 1 .. p
-        (transformers' sliding_window); None: every earlier key.
-      softcap: attention logit soft-capping (Gemma 2): scores become softcap x
-        tanh(scores / softcap) before the mask; None: off.
+      window: a row at position p sees keys p - window + 1 .. p (sliding window); None: all.
+      softcap: scores become softcap x tanh(scores / softcap) before the mask; None: off.
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows past the last sequence are zeros.
     num_q_heads must be a multiple of num_kv_heads (grouped-query attention).

@@ -13,6 +13,7 @@ from jaxkv.loader.checkpoint_data import Checkpoint
 
 # HF architecture -> attention_bias when config.json does not say (Qwen2 always has q/k/v biases).
 _DEFAULT_ATTENTION_BIAS = {"Qwen2ForCausalLM": True}
+_TIED_BY_DEFAULT = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -45,7 +46,8 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         "rope_scaling": None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 2048,
-        "tie_word_embeddings": False,
+        # transformers' own default (configs written before 4.44 leave out values equal to it)
+        "tie_word_embeddings": _TIED_BY_DEFAULT.intersection(config.get("architectures") or ()) != set(),
         "bos_token_id": None,
         "eos_token_id": None,
         "sliding_window": None,

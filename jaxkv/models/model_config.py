@@ -105,7 +105,7 @@ class ModelConfig:
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
             rope_theta=float(theta), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
                                 or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
@@ -139,23 +139,45 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
     moe_intermediate_size, decoder_sparse_step, mlp_only_layers, shared expert)."""
     if arch == "MixtralForCausalLM":
         n = cfg.get("num_local_experts") or cfg.get("num_experts") or 8
-        return dict(num_experts=n, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
-                    moe_layers=tuple(range(cfg["num_hidden_layers"])))
-    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return _checked_moe(dict(
+            num_experts=n, num_experts_per_tok=cfg.get("num_experts_per_tok") or 2,
+            moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+            moe_layers=tuple(range(cfg["num_hidden_layers"]))))
+    if arch not in _MOE_DEFAULTS:
         return {}
-    # transformers 5 writes num_local_experts for every family; older configs num_experts
-    n = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    # A key the config leaves out takes transformers' default for the family (as transformers
+    # reads the same file); transformers 5 writes num_local_experts, older configs num_experts.
+    d = _MOE_DEFAULTS[arch]
+    get = lambda k: cfg[k] if cfg.get(k) is not None else d[k]  # noqa: E731
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or d["num_experts"]
     step = cfg.get("decoder_sparse_step", 1) or 1
     dense = set(cfg.get("mlp_only_layers") or [])
     layers = tuple(i for i in range(cfg["num_hidden_layers"])
                    if n > 0 and i not in dense and (i + 1) % step == 0)
-    return dict(num_experts=n, num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
-                moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 0)
-                                                 if arch == "Qwen2MoeForCausalLM" else 0),
-                moe_layers=layers)
+    return _checked_moe(dict(
+        num_experts=n, num_experts_per_tok=get("num_experts_per_tok"),
+        moe_intermediate_size=get("moe_intermediate_size"),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(get("shared_expert_intermediate_size")
+                                         if arch == "Qwen2MoeForCausalLM" else 0),
+        moe_layers=layers))
+
+
+# transformers' Qwen2MoeConfig / Qwen3MoeConfig defaults
+_MOE_DEFAULTS = {
+    "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                                shared_expert_intermediate_size=5632),
+    "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                shared_expert_intermediate_size=0),
+}
+
+
+def _checked_moe(f: dict) -> dict:
+    """ValueError naming the field when a token would be routed to more experts than exist."""
+    if not 1 <= f["num_experts_per_tok"] <= f["num_experts"]:
+        raise ValueError(f"num_experts_per_tok {f['num_experts_per_tok']} must be between 1 and "
+                         f"the {f['num_experts']} experts")
+    return f
 
 
 def _layer_windows(cfg: dict, window: int | None, arch: str = "") -> tuple:
@@ -164,13 +186,22 @@ def _layer_windows(cfg: dict, window: int | None, arch: str = "") -> tuple:
     from the first, as transformers fills them in); () without a window."""
     if window is None:
         return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
     types = cfg.get("layer_types")
     n = cfg["num_hidden_layers"]
-    if types is None and arch in _GEMMA:  # transformers' defaults: 1 of 2 / 6 layers global
-        every = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
-        return tuple(window if (i + 1) % every else None for i in range(n))
-    if types is None:
-        return (window,) * n
+    if types is None:  # transformers' defaults per family
+        top = cfg.get("max_window_layers", n)
+        if arch in _GEMMA:  # 1 of 2 (Gemma 2) or of 6 (Gemma 3) layers global
+            every = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+            windowed = [(i + 1) % every != 0 for i in range(n)]
+        elif arch == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
+            windowed = [(i + 1) % 2 == 1 and i < top for i in range(n)]
+        elif arch in _QWEN:  # the layers from max_window_layers on
+            windowed = [i >= top for i in range(n)]
+        else:
+            windowed = [True] * n
+        return tuple(window if w else None for w in windowed)
     if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types must name sliding_attention or full_attention for each of "
                          f"the {n} layers, got {types!r}"[:300])
@@ -215,7 +246,10 @@ def _gemma_fields(arch: str, cfg: dict) -> dict:
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GEGLU:
         raise ValueError(f"hidden_activation {act!r} is not supported (jaxkv runs {GEGLU})")
-    scalar = cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256
+    scalar = cfg.get("query_pre_attn_scalar") or 256  # transformers' default
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None and not cfg[name] > 0:
+            raise ValueError(f"{name} must be positive or null, got {cfg[name]!r}")
     return dict(gemma=True, mlp_activation="gelu_tanh",
                 attn_softcap=cfg.get("attn_logit_softcapping"),
                 final_softcap=cfg.get("final_logit_softcapping"), attn_scale=float(scalar) ** -0.5)

@@ -220,3 +220,15 @@ def test_a_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
     b = LLM(model=str(tmp_path / "hf"), **kw).generate(prompts, sp, use_tqdm=False)
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids, name
+
+
+def test_missing_moe_keys_take_transformers_defaults():
+    base = dict(COMMON, intermediate_size=96)
+    mc = ModelConfig.from_hf_config({**base, "architectures": ["Qwen2MoeForCausalLM"]})
+    assert (mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size,
+            mc.shared_expert_intermediate_size) == (60, 4, 1408, 5632)
+    mc = ModelConfig.from_hf_config({**base, "architectures": ["Qwen3MoeForCausalLM"]})
+    assert (mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size) == (128, 8, 768)
+    with pytest.raises(ValueError, match="num_experts_per_tok 9 must be between 1 and the 8 experts"):
+        ModelConfig.from_hf_config({**base, "architectures": ["Qwen3MoeForCausalLM"],
+                                    "num_experts": 8, "num_experts_per_tok": 9})

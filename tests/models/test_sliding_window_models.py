@@ -118,3 +118,37 @@ def test_one_generate_with_every_engine_feature_gives_transformers_tokens(window
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         for c in o.outputs:
             assert list(c.token_ids) == ref, name
+
+
+def test_configs_without_layer_types_get_transformers_windows():
+    """Older configs say no layer_types (and Gemma 2's no tie_word_embeddings): the windowed
+    layers and the tied head transformers derives from them."""
+    base = dict(COMMON, num_hidden_layers=4, sliding_window=5)
+    cases = {
+        ("Qwen2ForCausalLM", "qwen2"): (dict(use_sliding_window=True, max_window_layers=1),
+                                        (None, 5, 5, 5)),
+        ("Qwen2MoeForCausalLM", "qwen2_moe"): (dict(use_sliding_window=True, max_window_layers=3),
+                                               (5, None, 5, None)),
+        ("Gemma2ForCausalLM", "gemma2"): ({}, (5, None, 5, None)),
+        ("Gemma3ForCausalLM", "gemma3_text"): (dict(sliding_window_pattern=2), (5, None, 5, None)),
+        ("MistralForCausalLM", "mistral"): ({}, (5, 5, 5, 5)),
+    }
+    for (arch, model_type), (extra, want) in cases.items():
+        mc = ModelConfig.from_hf_config({**base, **extra, "architectures": [arch],
+                                         "model_type": model_type})
+        assert tuple(mc.window(i) for i in range(4)) == want, arch
+    assert ModelConfig.from_hf_config({**base, "architectures": ["Gemma2ForCausalLM"]}).tie_word_embeddings
+    for bad, match in ((dict(sliding_window=-3), "sliding_window must be a positive integer"),
+                       (dict(attn_logit_softcapping=0), "attn_logit_softcapping must be positive")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_config({**base, **bad, "architectures": ["Gemma2ForCausalLM"]})
+
+
+def test_a_gemma2_folder_without_tie_word_embeddings_loads_tied(tmp_path):
+    import json
+    make_windowed("gemma2", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ckpt = load_hf_dir(str(tmp_path))
+    assert ModelConfig.from_hf_config(ckpt.config).tie_word_embeddings
