@@ -142,6 +142,12 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(s, field)))
             yield g
+        if s.moe_load_imbalance is not None:
+            g = GaugeMetricFamily(f"{p}:moe_load_imbalance", "The busiest expert's tokens over "
+                                  "the mean, over every step (a mixture of experts).",
+                                  labels=["model_name"])
+            g.add_metric([self.model_name], float(s.moe_load_imbalance))
+            yield g
         g = GaugeMetricFamily(f"{p}:weights_bytes", "Bytes the model's weights hold on the "
                               "devices, by format (quantization none: the model's dtype).",
                               labels=["model_name", "quantization"])

@@ -347,7 +347,7 @@ class LLMEngine:
             num_structured_output_requests=self.structured_output_manager.num_requests,
             num_grammars_compiled=self.structured_output_manager.num_compiled,
             grammar_compile_seconds=self.structured_output_manager.compile_seconds,
-            **self._tier_stats(), **self._spec_stats())
+            **self._tier_stats(), **self._spec_stats(), **self._moe_stats())
 
     def _tier_stats(self) -> dict:
         kv, out = self.scheduler.kv, {}
@@ -361,6 +361,15 @@ class LLMEngine:
         if out:
             out["num_swapped_out"] = self.scheduler.num_swapped_out
         return out
+
+    def _moe_stats(self) -> dict:
+        load = getattr(self.runner, "expert_load", None)
+        if load is None:
+            return {}
+        tokens = [int(x) for x in np.asarray(load)]
+        mean = sum(tokens) / len(tokens)
+        return {"moe_expert_tokens": tuple(tokens),
+                "moe_load_imbalance": max(tokens) / mean if mean else None}
 
     def _spec_stats(self) -> dict:
         sd = getattr(self.scheduler, "spec_stats", None)

@@ -63,6 +63,8 @@ class LoggingStatLogger:
         if stats.token_buckets:
             line += (f", Compiled token buckets: {len(stats.compiled_token_buckets)}/"
                      f"{len(stats.token_buckets)}")
+        if stats.moe_load_imbalance is not None:
+            line += f", MoE load imbalance: {stats.moe_load_imbalance:.2f}"
         if stats.async_scheduling:
             d_used = stats.num_async_steps_used - prev.num_async_steps_used
             d_all = d_used + stats.num_async_steps_discarded - prev.num_async_steps_discarded

@@ -27,6 +27,11 @@ class EngineStats:
     # devices (every shard; quantized layers as packed).
     quantization: str | None = None
     weights_bytes: int = 0
+    # A mixture of experts: the real tokens each expert took, summed over its MoE layers and
+    # every step so far, and their imbalance: the busiest expert's count over the mean (1.0:
+    # perfectly even; None before any step or for a dense model).
+    moe_expert_tokens: tuple[int, ...] = ()
+    moe_load_imbalance: float | None = None
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
     # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/cpu_kernels/linear.py); 0: off.
     cpu_matmul_max_rows: int = 0

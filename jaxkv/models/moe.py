@@ -23,14 +23,16 @@ from jaxkv.models.model_config import ModelConfig
 
 
 class MoE(nn.Module):
-    """x [T, hidden] -> (y [T, hidden], tokens per expert int32 [E]) in `dtype`."""
+    """x [T, hidden] -> (y [T, hidden] in `dtype`, int32 [E]: the real tokens (`valid`, bool
+    [T]; None: all) routed to each expert). The counts are also sown as the intermediate
+    "expert_load" (read by the runner when it asks for them: ModelRunner.step_fn)."""
     cfg: ModelConfig
     dtype: jnp.dtype
     linear: type  # jaxkv.models.llama.Linear (the shared expert's layers)
     matmul: object  # jaxkv.models.llama.matmul bound to the model's cpu flag
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, valid=None):
         c, dt = self.cfg, self.dtype
         h, e, i, k = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
         init = nn.initializers.normal(0.02)
@@ -47,6 +49,8 @@ class MoE(nn.Module):
         order = jnp.argsort(flat, stable=True)  # the (token, expert) pairs grouped by expert
         token = order // k
         sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        real = flat if valid is None else jnp.where(jnp.repeat(valid, k), flat, e)  # e: dropped
+        self.sow("intermediates", "expert_load", jnp.bincount(real, length=e).astype(jnp.int32))
         xs = x[token]
         act = nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
         ys = jax.lax.ragged_dot(act, w_down, sizes) * weights.reshape(-1)[order][:, None].astype(dt)

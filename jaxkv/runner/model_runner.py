@@ -73,6 +73,9 @@ class ModelRunner:
         self.fused_greedy_max_tokens = fg.max_tokens(model)
         self.num_fused_greedy_steps = 0  # steps dispatched that way (run-ahead ones included)
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
+        # A mixture of experts: int32 [E] on the device, the real tokens each expert took
+        # (summed over layers and steps, warmup excluded: reset after it); None before any.
+        self.expert_load = None
         self.num_blocks = cc.num_blocks
         self._place(params, rc.tensor_parallel_size)
         # Bytes the weights hold on this process's devices (all shards; quantized ones packed).
@@ -132,7 +135,7 @@ class ModelRunner:
             self.jitted_step = jax.jit(self.step_fn, donate_argnums=(1,),
                                        in_shardings=(jax.tree.map(lambda x: x.sharding, params),
                                                      pool_sh, rep),
-                                       out_shardings=(rep, pool_sh))
+                                       out_shardings=(rep, pool_sh, rep))
         else:
             self.jitted_step = jit(self.step_fn, donate_argnums=(1,))
         # The sampled rows are gathered by a small program of their own, so the sampler's
@@ -152,13 +155,23 @@ class ModelRunner:
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
         """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
-        [T, hidden_size], pool with this step's K/V written); in buckets of at most
-        fused_greedy_max_tokens tokens also int32 [R], the argmax of each sequence's last
-        row's logits when step.fuse_greedy is set (else zeros)."""
-        hidden, kv_cache = self.model.apply({"params": params}, step, kv_cache)
-        if step.num_tokens > self.fused_greedy_max_tokens:
-            return hidden, kv_cache
-        return hidden, kv_cache, fg.greedy_tokens(lambda h: self._logits(params, h), hidden, step)
+        [T, hidden_size], pool with this step's K/V written, extras): extras["greedy"] in
+        buckets of at most fused_greedy_max_tokens tokens, int32 [R], the argmax of each
+        sequence's last row's logits when step.fuse_greedy is set (else zeros);
+        extras["expert_load"] for a mixture of experts, int32 [E], the real tokens each
+        expert took this step summed over the MoE layers (jaxkv/models/moe.py)."""
+        extras = {}
+        if self.model.cfg.num_experts:
+            (hidden, kv_cache), state = self.model.apply({"params": params}, step, kv_cache,
+                                                         mutable=["intermediates"])
+            loads = [v for path, v in jax.tree_util.tree_leaves_with_path(state)
+                     if "expert_load" in jax.tree_util.keystr(path)]
+            extras["expert_load"] = jnp.sum(jnp.stack(loads), axis=0)
+        else:
+            hidden, kv_cache = self.model.apply({"params": params}, step, kv_cache)
+        if step.num_tokens <= self.fused_greedy_max_tokens:
+            extras["greedy"] = fg.greedy_tokens(lambda h: self._logits(params, h), hidden, step)
+        return hidden, kv_cache, extras
 
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
@@ -210,8 +223,11 @@ class ModelRunner:
         or here on first use when no warmup ran. `last_greedy_tokens` is then the program's
         fused greedy output (int32 [R]; None in buckets without one)."""
         with self.compiles:
-            hidden, self.kv_cache, *greedy = self._run_step(self.params, self.kv_cache, step)
-        self.last_greedy_tokens = greedy[0] if greedy else None
+            hidden, self.kv_cache, extras = self._run_step(self.params, self.kv_cache, step)
+        self.last_greedy_tokens = extras.get("greedy")
+        if "expert_load" in extras:  # a device add: nothing waits for it
+            load = extras["expert_load"]
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
         return hidden
 
     def _run_step(self, params, kv_cache, step: StepInput):

@@ -232,3 +232,24 @@ def test_missing_moe_keys_take_transformers_defaults():
     with pytest.raises(ValueError, match="num_experts_per_tok 9 must be between 1 and the 8 experts"):
         ModelConfig.from_hf_config({**base, "architectures": ["Qwen3MoeForCausalLM"],
                                     "num_experts": 8, "num_experts_per_tok": 9})
+
+
+def test_the_experts_load_is_counted(moe):
+    """stats() counts the real tokens each expert took (padding rows excluded), summed over the
+    MoE layers: every computed token k times per MoE layer; the imbalance is max / mean."""
+    from jaxkv import LLM, SamplingParams
+
+    name, hf, path = moe
+    llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=64, token_buckets=(8, 64),
+              kv_cache_memory_bytes=1 << 20, max_num_seqs=8, enable_prefix_caching=False,
+              async_scheduling=False)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 11, 20)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    s, mc = llm.stats(), llm.llm_engine.config.model_config
+    computed = sum(len(p) for p in prompts) + 3 * (8 - 1)
+    assert sum(s.moe_expert_tokens) == computed * mc.num_experts_per_tok * len(mc.moe_layers)
+    assert len(s.moe_expert_tokens) == mc.num_experts
+    assert s.moe_load_imbalance == max(s.moe_expert_tokens) / (sum(s.moe_expert_tokens) / mc.num_experts)
+    assert s.moe_load_imbalance >= 1.0
