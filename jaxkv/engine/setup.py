@@ -44,6 +44,20 @@ def log_attention_backend(backend: str) -> None:
         logger.info("attention backend: %s", backend)
 
 
+def log_attention_variants(mc, backend: str) -> None:
+    """A line for sliding windows and soft-capping, when the model has them."""
+    windowed = [mc.window(i) for i in range(mc.num_layers) if mc.window(i)]
+    parts = []
+    if windowed:
+        parts.append(f"sliding window {sorted(set(windowed))} on {len(windowed)} of "
+                     f"{mc.num_layers} layers")
+    if mc.attn_softcap or mc.final_softcap:
+        parts.append(f"logit soft-capping (attention {mc.attn_softcap}, final {mc.final_softcap})")
+    if parts:
+        logger.info("attention: %s%s", "; ".join(parts), "; those layers take the XLA path on "
+                    "the cpu backend" if backend == "cpu" and (windowed or mc.attn_softcap) else "")
+
+
 def cpu_matmul_wanted(runner_config, mesh) -> bool:
     """Whether the model runs its few-row matmuls through jaxkv's C++ kernel
     (jaxkv/cpu_kernels/linear.py): with the (resolved) cpu attention backend, float32 weights
@@ -175,10 +189,14 @@ def build_model(config, mesh):
 
     mc, rc = config.model_config, config.runner
     cpu_matmul = cpu_matmul_wanted(rc, mesh)
-    if cpu_matmul:
+    if cpu_matmul and rc.quantization is None:
         logger.info("matmuls of at most %d rows (decode steps; the LM head of up to %d "
                     "sampled rows): C++ kernel (cpu backend)", cpu_linear.MAX_ROWS,
                     cpu_linear.MAX_ROWS_TRANSPOSED)
+    elif cpu_matmul:
+        logger.info("the float LM head's matmuls of at most %d rows: C++ kernel (cpu backend); "
+                    "the %s layers dequantize in XLA", cpu_linear.MAX_ROWS, rc.quantization.name)
+    log_attention_variants(mc, rc.attention_backend)
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul,
                        quant=rc.quantization)

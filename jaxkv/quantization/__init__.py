@@ -78,6 +78,9 @@ def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
         return total
     n = linear_params(mc)
     out = total - n * dtype_bytes + n * spec.bytes_per_weight()
+    if spec.method == "fp8":  # a float32 scale per output channel of each layer
+        h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+        out += 4 * mc.num_layers * (q + 2 * kv + 2 * h + 2 * mc.intermediate_size)
     if spec.embedding_bits:  # gguf: the embedding in its own blocks
         e = mc.vocab_size * mc.hidden_size
         out += e * (QuantSpec("gguf", bits=spec.embedding_bits, group_size=32).bytes_per_weight()

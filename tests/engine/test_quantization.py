@@ -37,6 +37,11 @@ def test_fp8_weights_on_the_embedded_model(reference):  # noqa: F811
           f"entries; weights {s.weights_bytes / 2**20:.1f} MiB")
     assert first >= 6 and np.mean(diffs) <= 0.25
     assert s.quantization == "fp8"
+    from jaxkv.loader.source import read_config
+    from jaxkv.models.model_config import ModelConfig
+    from jaxkv.quantization import weights_bytes
+    spec = llm.llm_engine.config.runner.quantization  # what jaxkv plan counts is what is held
+    assert weights_bytes(ModelConfig.from_hf_config(read_config(None)), 4, spec) == s.weights_bytes
     float_bytes = 134_515_008 * 4  # SmolLM2-135M's parameters in float32
     # The layers at one byte a weight; the tied embedding (28.3 M) stays float32.
     assert 0.35 * float_bytes < s.weights_bytes < 0.42 * float_bytes
@@ -76,8 +81,9 @@ def test_plan_and_bytes():
     from jaxkv.models.model_config import ModelConfig
     mc = ModelConfig.from_hf_config(read_config(None))
     fp8 = weights_bytes(mc, 4, QuantSpec("fp8"))
-    assert fp8 == mc.num_params() * 4 - 3 * (mc.num_params() - mc.vocab_size * mc.hidden_size
-                                             - mc.hidden_size * (2 * mc.num_layers + 1))
+    layers = mc.num_params() - mc.vocab_size * mc.hidden_size - mc.hidden_size * (2 * mc.num_layers + 1)
+    scales = 4 * mc.num_layers * (576 + 192 + 192 + 576 + 1536 + 1536 + 576)  # q k v o gate up down
+    assert fp8 == mc.num_params() * 4 - 3 * layers + scales  # 1 byte a weight, float32 scales
     config = EngineArgs(quantization="fp8").create_engine_config(platform="cpu")
     assert config.runner.quantization == QuantSpec("fp8", online=True)
     assert EngineArgs(quantization="fp8").create_engine_config(
