@@ -15,7 +15,8 @@ from jaxkv.loader.gguf import embedded_model_path, load_gguf
 from jaxkv.quantization import resolve
 from jaxkv.quantization.gguf import GGUFBlocks
 from tests.conftest import TEST_ENGINE
-from tests.engine.test_kv_cache_dtype import _divergences, reference  # noqa: F401 (fixture)
+from tests.engine.test_kv_cache_dtype import (_divergences, first_token_diffs,  # noqa: F401
+                                              reference)
 from tests.loader.test_gguf import write_tiny_gguf
 
 FLOAT32_BYTES = 134_515_008 * 4  # SmolLM2-135M's parameters in float32
@@ -90,9 +91,7 @@ def test_the_embedded_model_kept_quantized(reference):  # noqa: F811
     assert abs(planned - s.weights_bytes) < 0.01 * s.weights_bytes, (planned, s.weights_bytes)
     got = llm.chat(convs, sp, use_tqdm=False)
     margins = _divergences(got, ref)
-    diffs = [abs(a.outputs[0].logprobs[0][t].logprob - lp.logprob)
-             for a, b in zip(got, ref) for t, lp in b.outputs[0].logprobs[0].items()
-             if t in a.outputs[0].logprobs[0]]
+    diffs = first_token_diffs(got, ref)
     print(f"\ngguf blocks kept: weights {s.weights_bytes / 2**20:.1f} MiB "
           f"({s.weights_bytes / FLOAT32_BYTES:.3f}x float32); {10 - len(margins)}/10 greedy "
           f"16-token outputs equal the float path's (float margins where they part: "

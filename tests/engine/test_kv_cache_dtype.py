@@ -178,6 +178,13 @@ def _divergences(got, ref):
     return out
 
 
+def first_token_diffs(got, ref) -> list[float]:
+    """|first-token logprob difference| over the top-20 entries both outputs returned."""
+    return [abs(a.outputs[0].logprobs[0][t].logprob - lp.logprob)
+            for a, b in zip(got, ref) for t, lp in b.outputs[0].logprobs[0].items()
+            if t in a.outputs[0].logprobs[0]]
+
+
 @pytest.mark.parametrize("name", ["bfloat16", "int8", "fp8", "fp8_e5m2"])
 def test_greedy_tokens_stay_those_of_float32(name, reference):
     convs, sp, ref = reference
@@ -185,9 +192,7 @@ def test_greedy_tokens_stay_those_of_float32(name, reference):
     assert llm.llm_engine.runner.kv_cache.dtype == jnp.dtype(DTYPES[name]).name
     got = llm.chat(convs, sp, use_tqdm=False)
     margins = _divergences(got, ref)
-    diffs = [abs(a.outputs[0].logprobs[0][t].logprob - lp.logprob)
-             for a, b in zip(got, ref) for t, lp in b.outputs[0].logprobs[0].items()
-             if t in a.outputs[0].logprobs[0]]
+    diffs = first_token_diffs(got, ref)
     first = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(got, ref))
     print(f"\n{name}: {10 - len(margins)}/10 greedy 16-token outputs equal float32's ({first}/10 "
           f"first tokens; float32 margins where they part: {[round(m, 3) for m in margins]}); "

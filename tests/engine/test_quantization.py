@@ -17,7 +17,8 @@ from jaxkv.quantization import QuantSpec, resolve
 from jaxkv.quantization import linear as qlinear
 from jaxkv.quantization.load import linear_leaves, quantize_fp8, quantize_int4
 from tests.conftest import TEST_ENGINE
-from tests.engine.test_kv_cache_dtype import _divergences, reference  # noqa: F401 (fixture)
+from tests.engine.test_kv_cache_dtype import (_divergences, first_token_diffs,  # noqa: F401
+                                              reference)
 
 
 def test_fp8_weights_on_the_embedded_model(reference):  # noqa: F811
@@ -25,9 +26,7 @@ def test_fp8_weights_on_the_embedded_model(reference):  # noqa: F811
     llm = LLM(quantization="fp8", **TEST_ENGINE)
     got = llm.chat(convs, sp, use_tqdm=False)
     margins = _divergences(got, ref)
-    diffs = [abs(a.outputs[0].logprobs[0][t].logprob - lp.logprob)
-             for a, b in zip(got, ref) for t, lp in b.outputs[0].logprobs[0].items()
-             if t in a.outputs[0].logprobs[0]]
+    diffs = first_token_diffs(got, ref)
     first = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(got, ref))
     s = llm.stats()
     print(f"\nfp8 weights (quantized at load, widened in the matmul on the CPU): "

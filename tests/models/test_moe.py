@@ -21,8 +21,7 @@ from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.models.params import params_from_tensors
-from jaxkv.runner.model_runner import ModelRunner
-from tests.models.test_architectures import BLOCK, run_paged
+from tests.models.hf_compare import assert_generate_with_every_feature_matches, assert_logits_match
 
 COMMON = dict(vocab_size=211, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -71,47 +70,13 @@ def test_logits_and_parameter_counts_match_transformers(moe):
     assert mc.num_params() == sum(p.numel() for p in hf.parameters())
     assert mc.num_params(active=True) < mc.num_params()
     model = LlamaModel(mc)
-    params = params_from_tensors(model, ckpt.tensors)
-    config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
-                        max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
-                        max_logprobs=0).create_engine_config(platform="cpu", model_config=mc)
-    runner = ModelRunner(model, params, config)
-    rng = np.random.default_rng(1)
-    ids = rng.integers(0, COMMON["vocab_size"], 41).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    blocks = rng.permutation(np.arange(1, 64))[:11].tolist()
-    for chunks in ([41], [16, 7, 18], [1] * 41):
-        got = run_paged(runner, ids, chunks, blocks)
-        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
-        assert err < 1e-4, f"{name} chunks={chunks[:3]}: relative logit difference {err}"
+    assert_logits_match(hf, model, params_from_tensors(model, ckpt.tensors), mc,
+                        COMMON["vocab_size"], 1e-4, name)
 
 
 def test_one_generate_with_every_engine_feature_gives_transformers_tokens(moe):
-    """Four prompts sharing a 24-token prefix (prefix caching), longer than the 16-token step
-    budget (chunked prefill), in a pool too small for all of them (preemption), one of them
-    with n=2, under n-gram speculative decoding: greedy tokens equal transformers'."""
-    from jaxkv import LLM, SamplingParams
-
     name, hf, path = moe
-    llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
-              token_buckets=(8, 16), num_gpu_blocks_override=14, block_size=8,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-    rng = np.random.default_rng(3)
-    prefix = rng.integers(3, COMMON["vocab_size"], 24).tolist()
-    prompts = [prefix + rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (8, 12, 17, 20)]
-    sps = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2 if i == 1 else 1)
-           for i in range(4)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-    s = llm.stats()
-    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.spec_decode_num_drafts > 0
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        for c in o.outputs:
-            assert list(c.token_ids) == ref, name
+    assert_generate_with_every_feature_matches(hf, path, COMMON["vocab_size"], name)
 
 
 def test_plan_counts_total_and_active_params(tmp_path):

@@ -17,14 +17,13 @@ import torch
 import transformers
 from safetensors.numpy import save_file as save_numpy
 
-from jaxkv.engine_args import EngineArgs
 from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.models.params import params_from_tensors
 from jaxkv.quantization import resolve
-from jaxkv.runner.model_runner import ModelRunner
-from tests.models.test_architectures import BLOCK, COMMON, run_paged
+from tests.models.hf_compare import assert_logits_match, greedy_reference
+from tests.models.test_architectures import COMMON
 
 GROUP = 32
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -165,21 +164,8 @@ def test_logits_equal_the_dequantized_float_model(quantized):
     params = params_from_tensors(model, ckpt.tensors)
     leaves = params["layers_0"]["q_proj"]
     assert "kernel" not in leaves or leaves["kernel"].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
-    config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
-                        max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
-                        max_logprobs=0).create_engine_config(
-                            platform="cpu", model_config=mc,
-                            quantization_config=ckpt.config["quantization_config"])
-    runner = ModelRunner(model, params, config)
-    rng = np.random.default_rng(1)
-    ids = rng.integers(0, COMMON["vocab_size"], 41).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    blocks = rng.permutation(np.arange(1, 64))[:11].tolist()
-    for chunks in ([41], [16, 7, 18], [1] * 41):
-        got = run_paged(runner, ids, chunks, blocks)
-        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
-        assert err < 1e-3, f"{fmt} chunks={chunks[:3]}: relative logit difference {err}"
+    assert_logits_match(hf, model, params, mc, COMMON["vocab_size"], 1e-3, fmt,
+                        quantization_config=ckpt.config["quantization_config"])
 
 
 def test_greedy_tokens_equal_transformers(quantized):
@@ -197,7 +183,4 @@ def test_greedy_tokens_equal_transformers(quantized):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        assert list(o.outputs[0].token_ids) == ref, fmt
+        assert list(o.outputs[0].token_ids) == greedy_reference(hf, p, 12), fmt

@@ -104,6 +104,18 @@ class _Launch:
             os.unlink(self.log.name)
 
 
+def launched(extra_args: tuple[str, ...]):
+    """A server of its own with `extra_args` for a module's tests (a generator for a fixture:
+    yields the Server once healthy, stops it afterwards)."""
+    launch = _Launch(extra_args)
+    try:
+        launch.thread.join()
+        assert launch.server.health_codes and launch.server.health_codes[-1] == 200, launch.server.log()
+        yield launch.server
+    finally:
+        launch.stop()
+
+
 _launched: list[_Launch] = []
 
 

@@ -10,20 +10,14 @@ import asyncio
 
 import pytest
 
-from tests.serve.conftest import API_KEY, MODEL, _Launch
+from tests.serve.conftest import API_KEY, MODEL, launched
 
 agents = pytest.importorskip("agents")
 
 
 @pytest.fixture(scope="module")
 def auto_server():
-    launch = _Launch(("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
-    try:
-        launch.thread.join()
-        assert launch.server.health_codes and launch.server.health_codes[-1] == 200, launch.server.log()
-        yield launch.server
-    finally:
-        launch.stop()
+    yield from launched(("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
 
 
 def test_one_tool_agent(auto_server):

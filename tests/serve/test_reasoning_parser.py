@@ -12,7 +12,7 @@ import pytest
 
 from serve.reasoning_parsers import ReasoningSplitter, split
 from tests.helpers import write_tiny_model
-from tests.serve.conftest import MODEL, _Launch, _ok, _sse
+from tests.serve.conftest import MODEL, _ok, _sse, launched
 
 TEXTS = ["<think>abc</think>Hello", "Hi <think>x</think>y", "no tags", "<think>unfinished",
          "abc</think>ans", "<thi", "<think></think>", "a</thi", "<think>a</think>b</think>c"]
@@ -83,13 +83,7 @@ QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
     folder = write_tiny_model(tmp_path_factory.mktemp("qwen3"), QWEN3)
-    launch = _Launch(("--model", folder, "--load-format", "dummy", "--served-model-name", MODEL))
-    try:
-        launch.thread.join()
-        assert launch.server.health_codes and launch.server.health_codes[-1] == 200, launch.server.log()
-        yield launch.server
-    finally:
-        launch.stop()
+    yield from launched(("--model", folder, "--load-format", "dummy", "--served-model-name", MODEL))
 
 
 def test_a_tiny_qwen3_model_thinks_apart_from_its_answer(qwen3_server):
