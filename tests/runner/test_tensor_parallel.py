@@ -119,3 +119,10 @@ def test_mixtures_of_experts_split_each_expert_and_give_the_tp1_tokens():
         ep = r[f"{name}2ep"]  # whole experts per device
         same_tokens(ep, r[f"{name}1"], f"{name}, TP 2 with expert parallelism")
         assert ep["gate_proj"] == ep["down_proj"] == "P('tp', None, None)"
+
+
+def test_windowed_families_give_the_tp1_tokens():
+    """Sliding windows (shorter than the prompts) and Gemma's soft-capping at TP 2."""
+    r = tp_run("windowed")
+    for name in ("mistral", "gemma2", "gemma3"):
+        same_tokens(r[f"{name}2"], r[f"{name}1"], f"{name}, TP 2")

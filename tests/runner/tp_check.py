@@ -110,6 +110,8 @@ def main(case: str) -> dict:
         return quantized(prompts)
     if case == "moe":
         return moe(prompts)
+    if case == "windowed":
+        return windowed(prompts)
     raise SystemExit(f"unknown case {case!r}")
 
 
@@ -156,6 +158,24 @@ def moe(prompts) -> dict:
             spec = lambda x: str(getattr(x.sharding, "spec", "single"))  # noqa: E731
             out[f"{name}{tp}{'ep' if ep else ''}"] = {**run(llm, prompts, 8), "gate_proj": spec(mlp["gate_proj"]),
                                   "down_proj": spec(mlp["down_proj"]), "router": spec(mlp["router"])}
+            llm.llm_engine.shutdown()
+    return out
+
+
+def windowed(prompts) -> dict:
+    """Mistral (every layer windowed), Gemma 2 and Gemma 3 (local and global layers,
+    soft-capping) at TP 1 and 2, with windows shorter than the prompts."""
+    import pathlib
+
+    from jaxkv import LLM
+    from tests.models.test_sliding_window_models import make_windowed
+    out = {}
+    for name in ("mistral", "gemma2", "gemma3"):
+        d = pathlib.Path(tempfile.mkdtemp())
+        make_windowed(name, d)
+        for tp in (1, 2):
+            llm = LLM(model=str(d), tensor_parallel_size=tp, **ENGINE)
+            out[f"{name}{tp}"] = run(llm, prompts, 8)
             llm.llm_engine.shutdown()
     return out
 
