@@ -81,6 +81,21 @@ _TIER_COUNTERS = (("hit_tokens", "Prompt tokens found in the tier (not computed 
                   ("loaded_blocks", "Blocks copied from the tier back to the device."))
 
 
+def _weights_series(p: str, model_name: str, s):
+    """The weights' bytes by format, and a mixture of experts' load imbalance."""
+    if s.moe_load_imbalance is not None:
+        g = GaugeMetricFamily(f"{p}:moe_load_imbalance", "The busiest expert's tokens over "
+                              "the mean, over every step (a mixture of experts).",
+                              labels=["model_name"])
+        g.add_metric([model_name], float(s.moe_load_imbalance))
+        yield g
+    g = GaugeMetricFamily(f"{p}:weights_bytes", "Bytes the model's weights hold on the "
+                          "devices, by format (quantization none: the model's dtype).",
+                          labels=["model_name", "quantization"])
+    g.add_metric([model_name, s.quantization or "none"], float(s.weights_bytes))
+    yield g
+
+
 def _tier_series(p: str, model_name: str, s):
     tiers = [t for t in ("host", "disk") if getattr(s, f"kv_offload_{t}_blocks")]
     g = GaugeMetricFamily(f"{p}:kv_offload_usage_perc", "KV offload tier usage. 1 means 100 "
@@ -142,17 +157,7 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(s, field)))
             yield g
-        if s.moe_load_imbalance is not None:
-            g = GaugeMetricFamily(f"{p}:moe_load_imbalance", "The busiest expert's tokens over "
-                                  "the mean, over every step (a mixture of experts).",
-                                  labels=["model_name"])
-            g.add_metric([self.model_name], float(s.moe_load_imbalance))
-            yield g
-        g = GaugeMetricFamily(f"{p}:weights_bytes", "Bytes the model's weights hold on the "
-                              "devices, by format (quantization none: the model's dtype).",
-                              labels=["model_name", "quantization"])
-        g.add_metric([self.model_name, s.quantization or "none"], float(s.weights_bytes))
-        yield g
+        yield from _weights_series(p, self.model_name, s)
         spec = bool(s.spec_decode_num_accepted_tokens_per_pos)  # speculative decoding is on
         for name, field, doc in _COUNTERS:
             if name.startswith("spec_decode") and not spec:

@@ -73,13 +73,10 @@ class ModelRunner:
         self.fused_greedy_max_tokens = fg.max_tokens(model)
         self.num_fused_greedy_steps = 0  # steps dispatched that way (run-ahead ones included)
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
-        # A mixture of experts: int32 [E] on the device, the real tokens each expert took
-        # (summed over layers and steps, warmup excluded: reset after it); None before any.
-        self.expert_load = None
+        self.expert_load = None  # MoE: int32 [E] on the device, tokens per expert (all steps)
         self.num_blocks = cc.num_blocks
         self._place(params, rc.tensor_parallel_size)
-        # Bytes the weights hold on this process's devices (all shards; quantized ones packed).
-        self.weights_bytes = sum(sh.bytes_per_device(self.params))
+        self.weights_bytes = sum(sh.bytes_per_device(self.params))  # all shards, as packed
         self.enforce_eager = enforce_eager = rc.enforce_eager
         self.mark_decode_only = model.attention.uses_decode_only
         self.warmup_token_buckets = rc.warmup_token_buckets
