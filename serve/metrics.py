@@ -65,6 +65,8 @@ _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache quer
              ("fused_greedy_steps", "num_fused_greedy_steps",
               "Steps whose greedy sampling ran inside the step program (fused greedy sampling)."),
              ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."),
+             ("window_freed_blocks", "num_window_freed_blocks",
+              "KV blocks freed behind the sliding window (a model whose every layer has one)."),
              ("structured_output_requests", "num_structured_output_requests",
               "Requests (samples) with a structured-output constraint."),
              ("grammar_compile_seconds", "grammar_compile_seconds",

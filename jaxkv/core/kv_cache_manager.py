@@ -15,6 +15,12 @@ through to disk), a prefix lookup continues in host memory and on disk
 after its last device hit, and swap preemption (`swap_out`) copies a preempted request's
 blocks to host memory, pinned until it runs again. The copies of a step are collected in
 `transfers` (jaxkv.core.scheduler_output.KVTransfers), which the runner makes before the step.
+
+With `sliding_window` (a model whose every layer is windowed; the largest window) the blocks
+a request's next query can no longer see are freed as it advances (vLLM's
+SlidingWindowManager.remove_skipped_blocks): their places in its block table become the null
+block, which attention masks as out of the window. They keep their hashes in the free queue,
+so a prefix hit can still take them until they are evicted.
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 host: HostTier | None = None, disk: DiskTier | None = None):
+                 host: HostTier | None = None, disk: DiskTier | None = None,
+                 sliding_window: int | None = None):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_window_freed_blocks = 0  # blocks freed behind the sliding window so far
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[int]] = {}
@@ -119,7 +130,7 @@ class KVCacheManager:
         n = min(req.num_computed_tokens // self.block_size, len(blocks), len(req.block_hashes))
         pinned = self.swapped.setdefault(req.request_id, [])
         for bid, h in zip(blocks[:n], req.block_hashes[:n]):
-            if bid in self._step_cached:
+            if bid == 0 or bid in self._step_cached:  # freed behind the window, or unwritten
                 break
             if self.host.lookup(h) is None:
                 slot = self._host_slot(h)
@@ -189,12 +200,17 @@ class KVCacheManager:
         tokens of `new_computed_blocks`, a prefix hit taken now, and of `loads`, hits in the
         lower tiers copied into new blocks this step). Returns False, changing nothing, when
         the free queue cannot cover it (the scheduler then preempts)."""
+        self.remove_skipped_blocks(req)
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + (len(new_computed_blocks) + len(loads)) * self.block_size
+        if self.sliding_window is not None:  # hits behind the window are not taken
+            skip = max(num_computed - self.sliding_window + 1, 0) // self.block_size - len(blocks)
+            skip = min(max(skip, 0), len(new_computed_blocks))
+            new_computed_blocks = [0] * skip + list(new_computed_blocks[skip:])
         total = num_computed + num_new_tokens
         num_new_blocks = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Cached blocks with no holder sit in the free queue: taking them uses free capacity.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b and self.pool.blocks[b].ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_to_blocks[req.request_id]
@@ -203,7 +219,7 @@ class KVCacheManager:
         sources = [("host", self.host.load(h)) if self.host.lookup(h) is not None
                    else ("disk", self.disk.load(h)) for h in loads]
         if new_computed_blocks:
-            self.pool.touch(list(new_computed_blocks))
+            self.pool.touch([b for b in new_computed_blocks if b])
             blocks.extend(new_computed_blocks)
             self.num_cached_blocks[req.request_id] = len(blocks)
         first_load = len(blocks)
@@ -219,6 +235,33 @@ class KVCacheManager:
         # Only the request's own tokens are hashed, never a draft (speculative decoding).
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return True
+
+    def remove_skipped_blocks(self, req: Request) -> int:
+        """Free `req`'s blocks wholly before its sliding window: the next token, at position
+        req.num_computed_tokens, sees keys from num_computed_tokens - sliding_window + 1 on.
+        Their block-table entries become the null block 0; newest first, so the free queue
+        evicts them before the older blocks a prefix chain starts with. Returns how many."""
+        blocks = self.req_to_blocks.get(req.request_id)
+        if self.sliding_window is None or not blocks:
+            return 0
+        first_needed = max(req.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        freed = []
+        for i in range(min(first_needed, len(blocks)) - 1, -1, -1):
+            if blocks[i] == 0:  # freed before, and so is everything in front of it
+                break
+            freed.append(blocks[i])
+            blocks[i] = 0
+        self.pool.free_blocks(freed)
+        self.num_window_freed_blocks += len(freed)
+        return len(freed)
+
+    def blocks_to_hold(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once: all of them, or
+        with a sliding window those the window and one step's `max_step_tokens` span."""
+        n = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return n
+        return min(n, cdiv(self.sliding_window - 1 + max_step_tokens, self.block_size) + 1)
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         if not self.enable_caching:
@@ -237,7 +280,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
         """Share the first `num_blocks` (full, computed) blocks of `parent` with `child` (n > 1)."""
         shared = self.req_to_blocks[parent.request_id][:num_blocks]
-        self.pool.touch(shared)
+        self.pool.touch([b for b in shared if b])  # not the null block (behind the window)
         self.req_to_blocks[child.request_id] = list(shared)
         self.num_cached_blocks[child.request_id] = num_blocks
         child.block_hashes = list(parent.block_hashes[:num_blocks])
@@ -258,7 +301,7 @@ class KVCacheManager:
         """Release every block of `req`, tail first (so its tail is evicted before its head)."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks([b for b in reversed(blocks) if b])  # null: freed behind the window
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])

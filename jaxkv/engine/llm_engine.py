@@ -145,7 +145,8 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{len(ids) + params.max_tokens} exceeds max_model_len ({self.max_model_len})")
         kv = self.scheduler.kv
-        need = -(-(len(ids) + params.max_tokens) // kv.block_size)
+        need = kv.blocks_to_hold(len(ids) + params.max_tokens,
+                                 self.config.scheduler.max_num_batched_tokens)
         if need > kv.num_total_blocks:
             raise ValueError(f"request needs {need} blocks ({len(ids)} prompt + {params.max_tokens} "
                              f"max_tokens), but the KV cache has only {kv.num_total_blocks}")
@@ -334,6 +335,7 @@ class LLMEngine:
             quantization=(self.config.runner.quantization.name
                           if self.config.runner.quantization else None),
             weights_bytes=getattr(self.runner, "weights_bytes", 0),
+            kv_sliding_window=kv.sliding_window, num_window_freed_blocks=kv.num_window_freed_blocks,
             cpu_matmul_max_rows=self.runner.cpu_matmul_max_rows,
             fused_greedy_max_tokens=getattr(self.runner, "fused_greedy_max_tokens", 0),
             num_fused_greedy_steps=getattr(self.runner, "num_fused_greedy_steps", 0),

@@ -236,8 +236,12 @@ def build_scheduler(config, tokenizer, host, disk):
     cc, mc = config.cache, config.model_config
     if config.speculative is not None:
         logger.info("speculative decoding: %s", config.speculative.to_dict())
+    window = mc.kv_sliding_window
+    if window is not None:
+        logger.info("every layer has a sliding window: KV blocks behind the last %d tokens of "
+                    "a sequence are freed as it advances", window)
     return Scheduler(KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                    host, disk),
+                                    host, disk, sliding_window=window),
                      config.scheduler, config.speculative,
                      StructuredOutputManager(tokenizer, mc.vocab_size, mc.eos_token_ids))
 

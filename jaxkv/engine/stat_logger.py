@@ -63,6 +63,9 @@ class LoggingStatLogger:
         if stats.token_buckets:
             line += (f", Compiled token buckets: {len(stats.compiled_token_buckets)}/"
                      f"{len(stats.token_buckets)}")
+        if stats.kv_sliding_window is not None:
+            line += (f", Blocks freed behind the window: "
+                     f"{stats.num_window_freed_blocks - prev.num_window_freed_blocks}")
         if stats.moe_load_imbalance is not None:
             line += f", MoE load imbalance: {stats.moe_load_imbalance:.2f}"
         if stats.async_scheduling:

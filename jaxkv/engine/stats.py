@@ -32,6 +32,10 @@ class EngineStats:
     # perfectly even; None before any step or for a dense model).
     moe_expert_tokens: tuple[int, ...] = ()
     moe_load_imbalance: float | None = None
+    # A model whose every layer is windowed: the window behind which the KV cache manager
+    # frees a sequence's blocks (None: every block is kept), and the blocks freed so far.
+    kv_sliding_window: int | None = None
+    num_window_freed_blocks: int = 0
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
     # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/cpu_kernels/linear.py); 0: off.
     cpu_matmul_max_rows: int = 0

@@ -24,7 +24,7 @@ def convert(model: str | None, out_dir: str) -> float:
     """Convert `model` (None = the embedded GGUF, a .gguf file or an HF folder) into a converted
     folder at `out_dir`, which must not exist or be empty. Returns the seconds it took.
     Raises ValueError for a non-empty out_dir, a quantized checkpoint (other than a GGUF
-    file, whose blocks are dequantized) or a mixture of experts, FileNotFoundError for a
+    file, whose blocks are dequantized), FileNotFoundError for a
     missing model."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -41,9 +41,6 @@ def convert(model: str | None, out_dir: str) -> float:
     if method not in (None, "gguf"):  # a GGUF file's blocks are dequantized: lossless
         raise ValueError(f"jaxkv convert writes float weights; this checkpoint is quantized "
                          f"(quantization_config.quant_method {method!r}): serve it directly")
-    if ModelConfig.from_hf_config(ckpt.config).num_experts:
-        raise ValueError("jaxkv convert does not write mixture-of-experts models yet; serve the "
-                         "folder directly")
     params = params_from_tensors(LlamaModel(ModelConfig.from_hf_config(ckpt.config),
                                             dtype=jnp.float32), ckpt.tensors)
     os.makedirs(out_dir, exist_ok=True)

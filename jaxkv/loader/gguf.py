@@ -1,8 +1,9 @@
 """GGUF file -> `Checkpoint`: HF-style config, float32 tensors under HF names, tokenizer.
 
 Supported `general.architecture` values: "llama" (Llama, SmolLM2, Mistral written as llama;
-Mixtral: "llama" with an expert count), "qwen2", "qwen3" and "qwen3moe"; stacked expert
-tensors are split into the HF names of each expert. The header is parsed here (gguf.GGUFReader spends ~3 s decoding the
+Mixtral: "llama" with an expert count), "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2" and "gemma3"
+(text); stacked expert tensors are split into the HF names of each expert, and Gemma's norm
+weights, which llama.cpp stores as 1 + w, get back transformers' w. The header is parsed here (gguf.GGUFReader spends ~3 s decoding the
 vocabulary) by `gguf_header.py`; tensors are dequantized with `gguf.quants.dequantize`; torch is never imported.
 For SmolLM2 the tensors equal what transformers loads from the same file bit for bit.
 """
@@ -25,12 +26,18 @@ EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # general.architecture -> (HF architectures entry, HF model_type)
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                   "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-                  "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+                  "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+                  "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                  "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+                  "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 # llama.cpp's mixture-of-experts tensors: the router, and each layer's experts stacked
 # [experts, out, in]; the loader gives them the HF names of each expert (split).
 _MOE = {"ffn_gate_inp": "gate", "ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
         "ffn_down_exps": "down_proj"}
 _MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# Qwen2-MoE's shared expert and its gate (llama.cpp stores the gate as a vector [hidden])
+_SHARED = {"ffn_gate_inp_shexp": "shared_expert_gate", "ffn_gate_shexp": "shared_expert.gate_proj",
+           "ffn_up_shexp": "shared_expert.up_proj", "ffn_down_shexp": "shared_expert.down_proj"}
 # GGUF leaf name inside blk.N -> HF name inside model.layers.N
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -38,6 +45,9 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer (llama.cpp's ffn_norm is the norm before the MLP there)
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _NO_HF_NAME = {"rope_freqs.weight"}  # llama.cpp's Llama-3 rope factors: folded into config["rope_scaling"]
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -64,7 +74,7 @@ def read_gguf_config(path: str | os.PathLike) -> dict[str, Any]:
 
     head_dim comes from attention.key_length, else rope.dimension_count, else hidden / heads.
     Raises FileNotFoundError for a missing file and ValueError for an architecture other than
-    llama / qwen2 / qwen3 (naming it), a missing required key, or rope scaling jaxkv cannot express.
+    those listed above (naming it), a missing required key, or rope scaling jaxkv cannot express.
     """
     return _config(*read_gguf_metadata(path))
 
@@ -97,6 +107,7 @@ def _config(meta: dict, infos: dict) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in infos,
         "sliding_window": key("attention.sliding_window", None),
         **_moe_config(arch, key),
+        **_gemma_config(arch, key),
         # The weights' block types, for --quantization gguf (the default dequantizes them).
         "quantization_config": {"quant_method": "gguf", "tensor_types": _tensor_types(infos)},
     }
@@ -104,7 +115,8 @@ def _config(meta: dict, infos: dict) -> dict[str, Any]:
 
 def _moe_config(arch: str, key) -> dict[str, Any]:
     """HF config keys of a mixture of experts: llama.cpp writes Mixtral as "llama" with an
-    expert count (its experts as wide as feed_forward_length), Qwen3-MoE as "qwen3moe"."""
+    expert count (its experts as wide as feed_forward_length), Qwen2-MoE as "qwen2moe" (with
+    its shared expert), Qwen3-MoE as "qwen3moe"."""
     n = key("expert_count", 0)
     if not n:
         return {}
@@ -112,8 +124,37 @@ def _moe_config(arch: str, key) -> dict[str, Any]:
     if arch == "llama":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "num_local_experts": n, "num_experts_per_tok": used}
+    if arch == "qwen2moe":  # transformers' Qwen2-MoE does not renormalize the top k
+        return {"num_experts": n, "num_experts_per_tok": used, "norm_topk_prob": False,
+                "moe_intermediate_size": key("expert_feed_forward_length"),
+                "shared_expert_intermediate_size": key("expert_shared_feed_forward_length")}
     return {"num_experts": n, "num_experts_per_tok": used, "norm_topk_prob": True,
             "moe_intermediate_size": key("expert_feed_forward_length")}
+
+
+def _gemma_config(arch: str, key) -> dict[str, Any]:
+    """HF config keys of Gemma 2 / 3 that llama.cpp fixes rather than stores: the query scale
+    (hidden / heads for the 27B models, whose block_count is 46 and 62, else head_dim, as
+    llama.cpp's gemma2 and gemma3 graphs do), Gemma 3's local RoPE base (10000) and its 5
+    local layers to 1 global (sliding_window_pattern 6) unless the file says
+    (rope.freq_base_swa, attention.sliding_window_pattern); the soft-capping values it stores."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    hidden, heads, layers = key("embedding_length"), key("attention.head_count"), key("block_count")
+    head_dim = key("attention.key_length", None) or hidden // heads
+    big = layers == (46 if arch == "gemma2" else 62)
+    out = {"query_pre_attn_scalar": hidden // heads if big else head_dim,
+           "hidden_activation": "gelu_pytorch_tanh",
+           "attn_logit_softcapping": key("attn_logit_softcapping", None),
+           "final_logit_softcapping": key("final_logit_softcapping", None)}
+    pattern = key("attention.sliding_window_pattern", None)  # newer files: per layer or 1 in N
+    if isinstance(pattern, (list, tuple, np.ndarray)):
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif arch == "gemma3":
+        out["sliding_window_pattern"] = int(pattern or 6)
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
+    return out
 
 
 def _tensor_types(infos: dict) -> dict[str, str]:
@@ -175,6 +216,8 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
     moe = _BLOCK.match(gguf_name)
+    if moe is not None and moe.group(2) in _SHARED:
+        return f"model.layers.{moe.group(1)}.mlp.{_SHARED[moe.group(2)]}.{suffix}"
     if moe is not None and moe.group(2) in _MOE:
         layer, leaf = moe.group(1), _MOE[moe.group(2)]
         mixtral = model_type == "mixtral"
@@ -183,10 +226,11 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
             return f"{prefix}.gate.{suffix}"
         return f"{prefix}.experts.{{e}}.{_MIXTRAL[leaf] if mixtral else leaf}.{suffix}"
     match = _BLOCK.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_GEMMA_NAMES} if model_type.startswith("gemma") else _LAYER_NAMES
+    if match is None or match.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
     layer, leaf, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[leaf]}.{suffix}"
+    return f"model.layers.{layer}.{names[leaf]}.{suffix}"
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -203,8 +247,9 @@ def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
               keep_quantized: bool = False) -> Checkpoint:
     """Load a GGUF file: config, every tensor float32 [out, in] under its HF name, tokenizer.
 
-    Llama-family q/k weights and biases are un-permuted (Qwen2/Qwen3 files are not permuted;
-    transformers treats them the same way). with_tokenizer=False leaves Checkpoint.tokenizer None.
+    Llama-family q/k weights and biases are un-permuted (Qwen2/Qwen3 and Gemma files are not
+    permuted; transformers treats them the same way); Gemma's norm weights are stored as 1 + w
+    and come back as w. with_tokenizer=False leaves Checkpoint.tokenizer None.
     keep_quantized (--quantization gguf): the layers' linear weights and the embedding of
     types Q8_0 / Q4_0 / Q4_1 come as jaxkv.quantization.gguf.GGUFBlocks instead.
     Raises FileNotFoundError / ValueError as `read_gguf_config` does, ValueError for unknown tensors,
@@ -221,6 +266,7 @@ def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
     config = _config(meta, infos)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     permuted = config["model_type"] in ("llama", "mixtral")  # llama.cpp permutes both
+    gemma = config["model_type"].startswith("gemma")
     tensors: dict[str, np.ndarray] = {}
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for gguf_name, (dims, kind, offset) in infos.items():
@@ -242,6 +288,10 @@ def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
         w = dequantize(raw.reshape(*shape[:-1], row_bytes), kind).reshape(shape)
         if unpermute:
             w = unpermute(w)
+        if gemma and gguf_name.endswith("norm.weight"):  # llama.cpp stored 1 + w (exact back)
+            w = np.asarray(w, np.float32) - np.float32(1)
+        if name.endswith("shared_expert_gate.weight") and w.ndim == 1:  # [hidden] -> [1, hidden]
+            w = w[None, :]
         if "{e}" in name:  # stacked experts [E, out, in]: one HF tensor each
             for e in range(w.shape[0]):
                 tensors[name.format(e=e)] = np.array(w[e], dtype=np.float32)

@@ -111,7 +111,8 @@ def tokenizer_from_gguf(reader_or_path):
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(
-            f"GGUF tokenizer.ggml.model {kind!r} is not supported; only 'gpt2' (byte-level BPE) is"
+            f"GGUF tokenizer.ggml.model {kind!r} is not supported; only 'gpt2' (byte-level BPE) "
+            f"is: pass tokenizer= (--tokenizer) a folder or hub id with the model's tokenizer"
         )
     tokens = field("tokenizer.ggml.tokens")
     if not tokens:

@@ -84,6 +84,14 @@ class ModelConfig:
         keys before it), or None for global attention."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window behind which no layer reads a sequence's K/V (the largest), when every
+        layer is windowed; None when any layer is global (it keeps every block)."""
+        if not self.layer_windows or any(w is None for w in self.layer_windows):
+            return None
+        return max(self.layer_windows)
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
         """Raises ValueError naming the architecture when it is not of the Llama family."""

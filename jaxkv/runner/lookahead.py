@@ -73,10 +73,16 @@ def _host_free(s: ScheduledRequest) -> bool:
 def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
     """Whether the scheduler's `s` asks exactly what the prediction `q` computed."""
     return (_host_free(s) and s.request_id == q.request_id and s.token_ids == q.token_ids
-            and s.num_computed_tokens == q.num_computed_tokens and s.block_ids == q.block_ids
+            and s.num_computed_tokens == q.num_computed_tokens and _same_blocks(s.block_ids, q.block_ids)
             and s.sampling_params is q.sampling_params and s.seed == q.seed
             and s.sample_index == q.sample_index and s.num_output_tokens == q.num_output_tokens
             and s.min_tokens_banned_ids == q.min_tokens_banned_ids)
+
+
+def _same_blocks(now: list[int], predicted: list[int]) -> bool:
+    """Whether the block tables agree, up to blocks the scheduler has since freed behind a
+    sliding window (now the null block 0): the prediction's query masked those positions."""
+    return len(now) == len(predicted) and all(a == b or a == 0 for a, b in zip(now, predicted))
 
 
 def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> ScheduledRequest | None:

@@ -151,3 +151,57 @@ def test_random_mix_of_finished_and_aborted_requests_frees_everything():
         kv.free(r)
     assert kv.num_free_blocks == kv.num_total_blocks == 39
     assert all(kv.pool.blocks[i].ref_cnt == 0 for i in range(1, 40))
+
+
+def test_blocks_behind_a_sliding_window_are_freed_and_keep_their_hashes():
+    """Window 6, blocks of 4: the token at position p sees p - 5 .. p, so block i is freed once
+    the next position passes 4 i + 9; its block-table entry becomes the null block 0."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, sliding_window=6)
+    a = req("a", range(12))
+    assert kv.allocate_slots(a, 12) and kv.get_block_ids("a") == [1, 2, 3]
+    a.num_computed_tokens = 12
+    a.append_output_token(50)
+    assert kv.allocate_slots(a, 1)  # next position 12 sees 7..12: block 0 (tokens 0..3) goes
+    assert kv.get_block_ids("a") == [0, 2, 3, 4] and kv.num_window_freed_blocks == 1
+    assert kv.pool.blocks[1].ref_cnt == 0 and kv.pool.blocks[1].block_hash is not None
+    b = req("b", range(12))  # the freed block is still a prefix hit until evicted
+    assert kv.get_computed_blocks(b) == ([1, 2], 8)
+    for t in range(4):
+        a.num_computed_tokens += 1
+        a.append_output_token(60 + t)
+        assert kv.allocate_slots(a, 1)
+    assert kv.get_block_ids("a") == [0, 0, 3, 4, 5]  # next position 16 sees 11..16
+    c = req("c", list(range(12)) + [7])  # a hit of 3 blocks; the first is behind c's window
+    hit, n = kv.get_computed_blocks(c)
+    assert (hit, n) == ([1, 2, 3], 12) and kv.allocate_slots(c, 1, hit)
+    assert kv.get_block_ids("c") == [0, 2, 3, 6] and kv.pool.blocks[1].ref_cnt == 0
+    kv.free(a)
+    kv.free(c)
+    assert kv.num_free_blocks == kv.num_total_blocks
+    # A request holds at most the blocks its window and one step's tokens span.
+    assert kv.blocks_to_hold(100, 8) == 5 and kv.blocks_to_hold(10, 8) == 3
+    assert KVCacheManager(8, 4).blocks_to_hold(100, 8) == 25
+    assert KVCacheManager(8, 4).remove_skipped_blocks(a) == 0  # no window: nothing freed
+
+
+def test_fork_and_swap_out_skip_blocks_freed_behind_the_window():
+    from jaxkv.core.host_tier import HostTier
+    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=3,
+                        host=HostTier(8))
+    a = req("a", range(13))
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    assert kv.allocate_slots(a, 5) and kv.get_block_ids("a") == [0, 2, 3, 4]
+    a.num_computed_tokens = 13
+    child = req("c", range(13))
+    kv.fork(a, child, 3)
+    assert kv.get_block_ids("c") == [0, 2, 3] and kv.pool.blocks[0].ref_cnt == 1
+    assert kv.swap_out(a) == 0  # its first block is gone: nothing to keep, all recomputed
+    kv.free(child)
+    kv.free(a)
+    assert kv.num_free_blocks == kv.num_total_blocks and kv.pool.blocks[0].ref_cnt == 1
+
+
+def test_sliding_window_must_be_positive():
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        KVCacheManager(8, 4, sliding_window=0)

@@ -15,9 +15,9 @@ from jaxkv.core.request import Request, RequestStatus
 from jaxkv.sampling.params import SamplingParams
 
 
-def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16):
+def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16, window=None):
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, block_size, caching)
+    kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=window)
     sched = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64))
     groups = {}
     for g in range(6):
@@ -38,6 +38,10 @@ def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16):
         assert len(ids) == len(set(ids)) and out.total_num_scheduled_tokens <= budget
         for s in out.scheduled:  # every scheduled token has a slot in the request's blocks
             assert len(s.block_ids) * block_size >= s.num_computed_tokens + s.num_scheduled_tokens
+            # ... and every key its first query sees is in a real block (not one freed behind
+            # the window, now the null block 0)
+            seen = max(s.num_computed_tokens - window + 1, 0) if window else 0
+            assert 0 not in s.block_ids[seen // block_size:]
         # Every sampled request gets token 1; update_from_output finishes it at max_tokens.
         sched.update_from_output(out, RunnerOutput({s.request_id: [1] for s in out.scheduled if s.sample}))
         if abort_p and rng.random() < abort_p and groups:
@@ -54,6 +58,15 @@ def run(seed, caching, abort_p, num_blocks, block_size=4, budget=16):
 def test_fuzz_no_stall_no_leak(caching, abort_p):
     preemptions = sum(run(seed, caching, abort_p, nb) for seed in range(150) for nb in (10, 14))
     assert preemptions > 0  # the pools are small enough to exercise preemption
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_fuzz_with_blocks_freed_behind_a_sliding_window(caching):
+    """Every layer windowed (5 tokens, blocks of 4): the same runs free blocks behind the
+    window as requests advance, never one a query still sees, and leak none (forks of n > 1
+    share blocks freed behind the window, preemption frees the rest)."""
+    preemptions = sum(run(seed, caching, 0.2, nb, window=5) for seed in range(150) for nb in (10, 14))
+    assert preemptions > 0
 
 
 def test_budget_chunks_prefill_and_decodes_go_first():

@@ -2,7 +2,8 @@
 beside pytest's assertion rewriting: CPython 3.11's ast module keeps one recursion counter
 per interpreter, and two threads parsing at once raise "AST constructor recursion depth
 mismatch"). `python -m tests.loader.converted_check OUT_DIR` prints one JSON line for
-tests/loader/test_converted.py."""
+tests/loader/test_converted.py; `... --families OUT_DIR` converts a tiny Mixtral, Qwen2-MoE,
+Gemma 2 and Gemma 3 and prints whether each converted folder gives its folder's tokens."""
 
 from __future__ import annotations
 
@@ -64,5 +65,34 @@ def main(out: str) -> dict:
     return r
 
 
+def families(out: str) -> dict:
+    """{family: converted folder's greedy tokens == the Hugging Face folder's} for two
+    mixtures of experts and two sliding-window families, random tiny models."""
+    import numpy as np
+
+    from jaxkv import LLM, SamplingParams
+    from jaxkv.loader.converted import convert
+    from tests.models.test_moe import make_moe
+    from tests.models.test_sliding_window_models import make_windowed
+
+    kw = dict(max_model_len=128, max_num_batched_tokens=64, token_buckets=(8, 64),
+              kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(3, 200, n).tolist()} for n in (5, 17, 30)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    same = {}
+    for name, make in (("mixtral", make_moe), ("qwen2_moe", make_moe),
+                       ("gemma2", make_windowed), ("gemma3", make_windowed)):
+        folder, converted = os.path.join(out, name), os.path.join(out, name + "_converted")
+        make(name, folder)
+        convert(folder, converted)
+        a, b = (LLM(model=m, **kw).generate(prompts, sp, use_tqdm=False) for m in (folder, converted))
+        same[name] = all(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(a, b))
+    return same
+
+
 if __name__ == "__main__":
-    print("CONVERTED " + json.dumps(main(sys.argv[1])), flush=True)
+    if sys.argv[1] == "--families":
+        print("CONVERTED " + json.dumps(families(sys.argv[2])), flush=True)
+    else:
+        print("CONVERTED " + json.dumps(main(sys.argv[1])), flush=True)

@@ -13,15 +13,25 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory):
-    out = tmp_path_factory.mktemp("converted") / "smollm2"
-    p = subprocess.run([sys.executable, "-m", "tests.loader.converted_check", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900,
+def run_check(*args) -> dict:
+    p = subprocess.run([sys.executable, "-m", "tests.loader.converted_check", *map(str, args)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
     line = next((x for x in p.stdout.splitlines() if x.startswith("CONVERTED ")), None)
     assert p.returncode == 0 and line, p.stderr[-3000:]
     return json.loads(line[len("CONVERTED "):])
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    return run_check(tmp_path_factory.mktemp("converted") / "smollm2")
+
+
+def test_mixtures_of_experts_and_gemma_convert(tmp_path):
+    """A converted Mixtral, Qwen2-MoE (shared expert), Gemma 2 and Gemma 3 give their Hugging
+    Face folders' greedy tokens."""
+    assert run_check("--families", tmp_path) == {"mixtral": True, "qwen2_moe": True,
+                                                 "gemma2": True, "gemma3": True}
 
 
 def test_engine_on_the_folder_is_the_embedded_model(checked):

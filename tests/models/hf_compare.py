@@ -33,14 +33,16 @@ def assert_logits_match(hf, model, params, mc, vocab: int, tol: float, what: str
         assert err < tol, f"{what} chunks={chunks[:3]}: relative logit difference {err}"
 
 
-def assert_generate_with_every_feature_matches(hf, path, vocab: int, what: str) -> None:
+def assert_generate_with_every_feature_matches(hf, path, vocab: int, what: str,
+                                               num_blocks: int = 14) -> None:
     """Four prompts sharing a 24-token prefix (prefix caching), longer than the 16-token step
-    budget (chunked prefill), in a pool too small for all of them (preemption), one of them
-    with n=2, under n-gram speculative decoding: greedy tokens equal transformers'."""
+    budget (chunked prefill), in a pool of `num_blocks` blocks of 8 too small for all of them
+    (preemption), one of them with n=2, under n-gram speculative decoding: greedy tokens equal
+    transformers'."""
     from jaxkv import LLM, SamplingParams
 
     llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
-              token_buckets=(8, 16), num_gpu_blocks_override=14, block_size=8,
+              token_buckets=(8, 16), num_gpu_blocks_override=num_blocks, block_size=8,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     rng = np.random.default_rng(3)
@@ -50,7 +52,8 @@ def assert_generate_with_every_feature_matches(hf, path, vocab: int, what: str) 
            for i in range(4)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     s = llm.stats()
-    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.spec_decode_num_drafts > 0
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.spec_decode_num_drafts > 0, s
+    assert (s.num_window_freed_blocks > 0) == (s.kv_sliding_window is not None)  # every layer windowed
     for p, o in zip(prompts, outs):
         ref = greedy_reference(hf, p, 32)
         for c in o.outputs:

@@ -115,13 +115,14 @@ def test_what_moe_models_refuse(tmp_path):
 def write_moe_gguf(hf, name, folder, path):
     """The transformers model `hf` of family `name`, saved at `folder`, written as llama.cpp
     writes it: Mixtral as
-    "llama" with an expert count (q/k rows permuted), Qwen3-MoE as "qwen3moe"; routers as
+    "llama" with an expert count (q/k rows permuted), Qwen2-MoE as "qwen2moe" (q/k/v biases, the
+    shared expert as ffn_*_shexp, its gate a vector), Qwen3-MoE as "qwen3moe"; routers as
     ffn_gate_inp, each layer's experts stacked [experts, out, in] as ffn_{gate,up,down}_exps."""
     import gguf
 
     from tests.loader.test_gguf import llama_cpp_permute
     c = hf.config
-    arch = "llama" if name == "mixtral" else "qwen3moe"
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[name]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers), w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
@@ -130,9 +131,12 @@ def write_moe_gguf(hf, name, folder, path):
     w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_vocab_size(c.vocab_size)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_key_length(head_dim), w.add_value_length(head_dim)
-    w.add_expert_count(c.num_local_experts), w.add_expert_used_count(c.num_experts_per_tok)
+    num_experts = getattr(c, "num_local_experts", None) or c.num_experts
+    w.add_expert_count(num_experts), w.add_expert_used_count(c.num_experts_per_tok)
     if name != "mixtral":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if name == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     from jaxkv.loader.hf import load_hf_tensors  # the saved (per-expert) tensors
     sd = {k: np.asarray(v, np.float32) for k, v in load_hf_tensors(folder).items()}
     moe = "block_sparse_moe" if name == "mixtral" else "mlp"
@@ -143,27 +147,33 @@ def write_moe_gguf(hf, name, folder, path):
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", f"{moe}.gate": "ffn_gate_inp"}
+              "mlp.down_proj": "ffn_down", f"{moe}.gate": "ffn_gate_inp",
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp"}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         for hf_leaf, g in leaves.items():
-            names[f"{p}{hf_leaf}.weight"] = f"blk.{i}.{g}.weight"
+            for kind in ("weight", "bias"):
+                names[f"{p}{hf_leaf}.{kind}"] = f"blk.{i}.{g}.{kind}"
         for g, (mixtral, qwen) in experts.items():
             leaf = mixtral if name == "mixtral" else qwen
             if f"{p}{moe}.experts.0.{leaf}.weight" not in sd:
                 continue  # a dense layer (Qwen3-MoE's mlp_only_layers)
-            stack = [sd.pop(f"{p}{moe}.experts.{e}.{leaf}.weight") for e in range(c.num_local_experts)]
+            stack = [sd.pop(f"{p}{moe}.experts.{e}.{leaf}.weight") for e in range(num_experts)]
             w.add_tensor(f"blk.{i}.ffn_{g}_exps.weight", np.ascontiguousarray(np.stack(stack)))
     for k, v in sd.items():
         g = names[k]
         if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
             v = llama_cpp_permute(v, c.num_attention_heads if "attn_q" in g else c.num_key_value_heads)
+        if g.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp's: a vector [hidden]
+            v = v.reshape(-1)
         w.add_tensor(g, np.ascontiguousarray(v))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_a_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
     from jaxkv import LLM, SamplingParams
     hf = make_moe(name, tmp_path / "hf", mlp_only_layers=[])  # llama.cpp's qwen3moe: all MoE

@@ -21,7 +21,8 @@ from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.models.params import params_from_tensors
-from tests.models.hf_compare import assert_generate_with_every_feature_matches, assert_logits_match
+from tests.models.hf_compare import (assert_generate_with_every_feature_matches, assert_logits_match,
+                                      greedy_reference)
 
 COMMON = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -47,10 +48,10 @@ WINDOWS = {"mistral": (7, 7, 7), "qwen2_mixed": (9, None, 9), "gemma2": (6, None
            "gemma3": (5, 5, None)}
 
 
-def make_windowed(name, path):
+def make_windowed(name, path, **overrides):
     cfg_cls, model_cls, extra = WINDOWED[name]
     torch.manual_seed(0)
-    hf = model_cls(cfg_cls(**COMMON, **extra, attn_implementation="eager")).eval()
+    hf = model_cls(cfg_cls(**COMMON, **{**extra, **overrides}, attn_implementation="eager")).eval()
     with torch.no_grad():
         for n, p in hf.named_parameters():
             if "bias" in n or "norm" in n:
@@ -83,7 +84,9 @@ def test_logits_match_transformers(windowed, backend):
 
 def test_one_generate_with_every_engine_feature_gives_transformers_tokens(windowed):
     name, hf, path = windowed
-    assert_generate_with_every_feature_matches(hf, path, COMMON["vocab_size"], name)
+    # Mistral frees blocks behind its window: a smaller pool for it to preempt too
+    assert_generate_with_every_feature_matches(hf, path, COMMON["vocab_size"], name,
+                                               num_blocks=7 if name == "mistral" else 14)
 
 
 def test_configs_without_layer_types_get_transformers_windows():
@@ -118,3 +121,116 @@ def test_a_gemma2_folder_without_tie_word_embeddings_loads_tied(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     ckpt = load_hf_dir(str(tmp_path))
     assert ModelConfig.from_hf_config(ckpt.config).tie_word_embeddings
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_every_layer_windowed_frees_blocks_behind_the_window(tmp_path, async_scheduling):
+    """Mistral (window 7, every layer) with blocks of 4 in a pool of 6 blocks (24 tokens):
+    a 30-token prompt (chunked by the 8-token budget) and 40 decoded tokens, 70 in all, run
+    in it because the blocks behind the window are freed as the sequence advances. After
+    every step the block pool holds only the blocks of the last window (read from it); the
+    tokens equal transformers'; at the end every block is free."""
+    from jaxkv import LLM, SamplingParams
+
+    hf = make_windowed("mistral", tmp_path)
+    llm = LLM(model=str(tmp_path), max_model_len=128, max_num_batched_tokens=8, max_num_seqs=2, block_size=4,
+              num_gpu_blocks_override=7, token_buckets=(1, 8), async_scheduling=async_scheduling)
+    engine, kv = llm.llm_engine, llm.llm_engine.scheduler.kv
+    prompt = torch.randint(3, COMMON["vocab_size"], (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.add_request("w", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    most_held, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+        blocks = kv.get_block_ids("w")
+        held = [b for b in blocks if b]
+        most_held = max(most_held, len(held))
+        assert len(held) == kv.num_total_blocks - kv.num_free_blocks  # the pool agrees
+        assert held == blocks[len(blocks) - len(held):]  # the freed ones lead the table
+    assert most_held <= 4  # the window's 7 tokens and the chunk's 8 span at most 4 blocks
+    s = llm.stats()
+    assert s.kv_sliding_window == 7 and s.num_window_freed_blocks >= 13
+    assert s.num_preemptions == 0 and kv.num_free_blocks == kv.num_total_blocks
+    assert list(out.outputs[0].token_ids) == greedy_reference(hf, prompt, 40)
+    # Run-ahead decode steps stay valid when a block behind the window is freed meanwhile.
+    # (28 of 28 here; 19 when the freed block counted as a changed block table)
+    assert s.num_async_steps_used >= (25 if async_scheduling else 0)
+    assert s.num_async_steps_discarded == 0
+
+
+def write_gemma_gguf(hf, folder, path, arch):
+    """The transformers Gemma `hf`, saved at `folder`, written as llama.cpp writes it: norms
+    as 1 + w, the norm before the MLP as ffn_norm, the ones after attention and MLP as
+    post_attention_norm and post_ffw_norm, q/k rows not permuted, the LM head tied (absent);
+    Gemma 3's windowed layers and local RoPE base in the newer per-layer keys."""
+    import gguf
+    import numpy as np
+
+    from jaxkv.loader.hf import load_hf_tensors
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers), w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_key_length(c.head_dim), w.add_value_length(c.head_dim)
+    w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    else:
+        rope = c.rope_parameters
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    leaves = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    for i in range(c.num_hidden_layers):
+        names.update({f"model.layers.{i}.{k}.weight": f"blk.{i}.{v}.weight" for k, v in leaves.items()})
+    for k, v in load_hf_tensors(folder).items():
+        v = np.asarray(v, np.float32)
+        w.add_tensor(names[k], np.ascontiguousarray(v + 1 if "norm" in k else v))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
+    """Gemma 2 and 3 (its windowed layers and local RoPE base from the file's per-layer keys)
+    written as llama.cpp writes them load transformers' tensors (the norms' w back from
+    1 + w within float32 rounding) and give the folder's greedy tokens."""
+    import numpy as np
+
+    from jaxkv import LLM, SamplingParams
+    from jaxkv.loader.gguf import load_gguf
+    from jaxkv.loader.hf import load_hf_tensors
+    import dataclasses
+    hf = make_windowed(name, tmp_path / "hf", query_pre_attn_scalar=16)  # llama.cpp's: head_dim
+    write_gemma_gguf(hf, tmp_path / "hf", tmp_path / "m.gguf", name)
+    g = load_gguf(tmp_path / "m.gguf", with_tokenizer=False)
+    mc = ModelConfig.from_hf_config(g.config)
+    assert tuple(mc.window(i) for i in range(3)) == WINDOWS[name]
+    want = ModelConfig.from_hf_config(load_hf_dir(str(tmp_path / "hf"), load_weights=False).config)
+    assert mc == dataclasses.replace(want, rms_norm_eps=mc.rms_norm_eps, bos_token_id=None,
+                                     eos_token_ids=())  # the file has no tokenizer keys
+    theirs = load_hf_tensors(tmp_path / "hf")
+    assert set(g.tensors) == set(theirs)
+    for k, v in theirs.items():
+        assert np.allclose(g.tensors[k], np.asarray(v, np.float32), rtol=0, atol=1e-6), k
+    kw = dict(tokenizer=str(tmp_path / "hf"), max_model_len=128, max_num_batched_tokens=64,
+              token_buckets=(8, 64), kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(3, COMMON["vocab_size"], n).tolist()} for n in (5, 17, 30)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = LLM(model=str(tmp_path / "m.gguf"), **kw).generate(prompts, sp, use_tqdm=False)
+    b = LLM(model=str(tmp_path / "hf"), **kw).generate(prompts, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids, name
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.model None is not supported.*pass tokenizer="):
+        LLM(model=str(tmp_path / "m.gguf"))  # no tokenizer of its own: one line says what to do
