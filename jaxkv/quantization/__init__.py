@@ -11,7 +11,9 @@ checkpoint's ``quantization_config``. The LM head and the embedding stay in the 
 - ``awq`` / ``gptq``: 4-bit integers in groups along the input dimension (``group_size``,
   128 by default) with a float16 scale and an integer zero point per group and output channel,
   as AutoAWQ's GEMM layout and GPTQ's (act-order ``g_idx`` included) store them; unpacked at
-  load into one layout (two values per byte), dequantized inside the matmul.
+  load into one layout (two values per byte), dequantized inside the matmul. llm-compressor's
+  int4 (``compressed-tensors``, format ``pack-quantized``, method "pack-quantized" here:
+  symmetric or with zero points, per group or per channel) is read into the same layout.
 - ``gguf``: a GGUF file's Q8_0, Q4_0 and Q4_1 blocks (groups of 32 inputs, a float16 scale and
   min each: jaxkv/quantization/gguf.py) kept in that form for the layers and the embedding
   (which also serves as a tied LM head); the default for a GGUF file stays float weights
@@ -33,7 +35,7 @@ FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 class QuantSpec:
     """How the decoder layers' linear weights are held.
 
-    method: "fp8" | "awq" | "gptq"; bits: 8 (fp8) or 4; group_size: inputs per scale (None:
+    method: "fp8" | "awq" | "gptq" | "pack-quantized" (compressed-tensors int4) | "gguf"; bits: 8 (fp8) or 4; group_size: inputs per scale (None:
     one scale per output channel, fp8); act_order: GPTQ's g_idx reorders the inputs;
     fp8_activations: W8A8 (a GPU); online: quantized at load from float weights; checkpoint:
     the quant_method as the checkpoint names it (None when quantized at load); zero_offset:
@@ -116,6 +118,9 @@ def check_layer_shapes(spec: QuantSpec | None, mc) -> None:
             raise ValueError(f"{name} has {out} outputs and {n_in} inputs; {spec.method} packs "
                              f"eight 4-bit values per int32 (outputs a multiple of 8, inputs "
                              f"of {need_in})")
+        if spec.method == "pack-quantized" and n_in % 8:
+            raise ValueError(f"{name} has {n_in} inputs; pack-quantized int4 packs eight "
+                             "inputs per int32 (a multiple of 8)")
 
 
 def resolve(asked: str | None, hf_config: dict, platform: str) -> QuantSpec | None:
@@ -165,23 +170,56 @@ def _fp8_checkpoint(qc: dict, platform: str) -> QuantSpec:
 
 
 def _compressed_tensors(qc: dict, platform: str) -> QuantSpec:
-    """llm-compressor's float-quantized fp8 (weights 8-bit float, per tensor or per channel)."""
+    """llm-compressor's checkpoints: float-quantized fp8 (weights 8-bit float, per tensor or
+    per channel) or pack-quantized int4 (W4A16: 4-bit integers, per group or per channel,
+    symmetric or with zero points); one scheme for every quantized layer."""
     groups = qc.get("config_groups") or {}
-    if not isinstance(groups, dict):
-        raise ValueError(f"quantization_config.config_groups must be an object, got {groups!r}"[:200])
-    for name, g in groups.items():
-        w = g.get("weights") if isinstance(g, dict) else None
-        if not isinstance(w, dict):
-            raise ValueError(f"quantization_config.config_groups.{name}.weights must be an "
-                             f"object, got {w!r}"[:200])
-        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in ("tensor", "channel"):
-            raise ValueError(f"quantization_config.config_groups.{name}.weights: jaxkv reads "
-                             "compressed-tensors fp8 weights (type float, 8 bits, per tensor or "
-                             f"channel), got {w!r}"[:300])
-    if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
-        raise ValueError(f"quantization_config.format {qc.get('format')!r} is not supported "
-                         "(float-quantized is)")
-    return QuantSpec("fp8", fp8_activations=platform == "gpu", checkpoint="compressed-tensors")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"quantization_config.config_groups must be a non-empty object, got "
+                         f"{groups!r}"[:200])
+    schemes = {name: _ct_weights(name, g) for name, g in groups.items()}
+    kinds = set(schemes.values())
+    if len(kinds) != 1:
+        raise ValueError(f"quantization_config.config_groups: jaxkv reads one weight scheme for "
+                         f"every layer, got {sorted(map(str, kinds))}"[:300])
+    kind = kinds.pop()
+    fmt = qc.get("format")
+    if kind[0] == "float":
+        if fmt not in (None, "float-quantized", "naive-quantized"):
+            raise ValueError(f"quantization_config.format {fmt!r} is not supported for fp8 "
+                             "weights (float-quantized is)")
+        return QuantSpec("fp8", fp8_activations=platform == "gpu", checkpoint="compressed-tensors")
+    if fmt != "pack-quantized":
+        raise ValueError(f"quantization_config.format {fmt!r} is not supported for int4 weights "
+                         "(pack-quantized is)")
+    return QuantSpec("pack-quantized", bits=4, group_size=kind[1], checkpoint="compressed-tensors")
+
+
+def _ct_weights(name: str, group) -> tuple:
+    """("float", None) for fp8 weights, ("int", group size or None per channel) for int4;
+    ValueError naming the config group otherwise."""
+    where = f"quantization_config.config_groups.{name}"
+    w = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(w, dict):
+        raise ValueError(f"{where}.weights must be an object, got {w!r}"[:200])
+    kind, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
+    if (kind, bits) == ("float", 8) and strategy in ("tensor", "channel"):
+        return "float", None
+    if (kind, bits) != ("int", 4) or strategy not in ("group", "channel"):
+        raise ValueError(f"{where}.weights: jaxkv reads compressed-tensors fp8 weights (type "
+                         "float, 8 bits, per tensor or channel) and int4 ones (type int, 4 bits, "
+                         f"per group or channel), got {w!r}"[:300])
+    if w.get("actorder") == "group":
+        raise ValueError(f"{where}.weights.actorder 'group' (weight_g_idx) is not supported yet; "
+                         "static or none is")
+    act = group.get("input_activations")
+    if act:
+        raise ValueError(f"{where}.input_activations: jaxkv reads int4 weights with float "
+                         f"activations (W4A16), got {act!r}"[:300])
+    size = w.get("group_size") if strategy == "group" else None
+    if strategy == "group" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"{where}.weights.group_size must be a positive integer, got {size!r}")
+    return "int", size
 
 
 def _int4_checkpoint(method: str, qc: dict) -> QuantSpec:

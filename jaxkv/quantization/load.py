@@ -12,6 +12,10 @@ Published layouts read (torch Linear order, [out, in], for the float and fp8 wei
 - GPTQ: ``qweight`` int32 [in / 8, out] (eight inputs per int32, nibble k = input 8r + k),
   ``qzeros`` int32 [groups, out / 8] (nibble k = column 8c + k), ``scales`` float16
   [groups, out], ``g_idx`` int32 [in] (the group of each input; act-order when not i // group).
+- compressed-tensors pack-quantized int4: ``weight_packed`` int32 [out, in / 8] (nibble k =
+  input 8r + k, each the signed value + 8), ``weight_scale`` [out, groups] (any float dtype),
+  ``weight_zero_point`` int32 [ceil(out / 8), groups] packed the same way along the outputs
+  (absent when symmetric: zero 0), ``weight_shape`` [2] = (out, in).
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
         raise ValueError(f"quantization_config.group_size {spec.group_size} does not divide the "
                          f"input dimension {n_in} of {prefix}")
     g = spec.group_size or n_in
+    if spec.method == "pack-quantized":
+        return _pack_quantized_leaves(get, prefix, n_in, out, g)
     if spec.method == "awq":
         qweight = _int32(_shaped(get, f"{prefix}.qweight", (n_in, out // 8)), f"{prefix}.qweight")
         q = _nibbles(qweight, 1).reshape(n_in, out // 8, 8)[:, :, np.argsort(AWQ_ORDER)]
@@ -99,6 +105,29 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
         q = _gptq_order(get, prefix, q, g, spec, leaves)
     leaves["qweight"] = _pack_rows(q)
     return leaves
+
+
+def _pack_quantized_leaves(get, prefix: str, n_in: int, out: int, g: int) -> dict:
+    """compressed-tensors int4: value - zero = (nibble - 8) - (zero nibble - 8), so the
+    nibbles themselves are jaxkv's unsigned values and zero points (8 when symmetric)."""
+    try:
+        shape = tuple(int(x) for x in np.asarray(get(f"{prefix}.weight_shape")).reshape(-1))
+    except ValueError:
+        shape = (out, n_in)
+    if shape != (out, n_in):
+        raise ValueError(f"tensor {prefix}.weight_shape is {shape}, expected {(out, n_in)}")
+    name = f"{prefix}.weight_packed"
+    q = _nibbles(_int32(_shaped(get, name, (out, n_in // 8)), name), 1).T
+    scales = np.asarray(_shaped(get, f"{prefix}.weight_scale", (out, n_in // g)), np.float32).T
+    try:
+        zp = get(f"{prefix}.weight_zero_point")
+    except ValueError:
+        zeros = np.full(scales.shape, 8, np.uint8)
+    else:
+        name = f"{prefix}.weight_zero_point"
+        zeros = _nibbles(_int32(_shaped(lambda _: zp, name, (-(-out // 8), n_in // g)), name), 0)[:out].T
+    return {"qweight": _pack_rows(np.ascontiguousarray(q)), "scales": scales.astype(np.float16),
+            "zeros": np.ascontiguousarray(zeros, np.uint8)}
 
 
 def _gptq_order(get, prefix: str, q: np.ndarray, g: int, spec: QuantSpec, leaves: dict):

@@ -90,6 +90,14 @@ def test_plan_and_bytes():
 
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+W4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": True}
+
+
+def ct(*weights, fmt="pack-quantized", **group):
+    """A compressed-tensors quantization_config with one config group per weights dict."""
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {f"g{i}": {"targets": ["Linear"], "weights": w, **group}
+                              for i, w in enumerate(weights)}}
 
 
 @pytest.mark.parametrize("asked,qc,match", [
@@ -101,6 +109,12 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "
     (None, {"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
     (None, {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "type": "int", "num_bits": 4, "strategy": "group"}}}}, "config_groups.g.weights"),
+    (None, ct({**W4, "actorder": "group"}), r"config_groups.g0.weights.actorder 'group'"),
+    (None, ct(W4, input_activations={"type": "int", "num_bits": 8}), "g0.input_activations"),
+    (None, ct({**W4, "num_bits": 8}), "config_groups.g0.weights: jaxkv reads"),
+    (None, ct(W4, {**W4, "group_size": 64}), "one weight scheme for every layer"),
+    (None, ct(W4, fmt="float-quantized"), "format 'float-quantized' is not supported for int4"),
+    (None, ct({**W4, "group_size": 0}), "g0.weights.group_size must be a positive integer"),
 ])
 def test_bad_quantization_fails_in_one_line(asked, qc, match):
     with pytest.raises(ValueError, match=match) as e:

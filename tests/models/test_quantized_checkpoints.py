@@ -1,8 +1,10 @@
 """Quantized checkpoints as their tools publish them, written here by the tests from a tiny
 random Llama: vLLM's fp8 format (per-tensor scales, static input scales), llm-compressor's
 compressed-tensors fp8 (per-channel), AutoAWQ's GEMM int4 (interleaved nibbles) and GPTQ int4
-(act-order g_idx, zero points stored minus one). Each is packed here from the layouts' own
-descriptions, not with jaxkv's code; transformers runs the same model with the dequantized
+(act-order g_idx, zero points stored minus one), each packed here from the layouts' own
+descriptions, not with jaxkv's code; and llm-compressor's pack-quantized int4 (per group with
+zero points, per channel symmetric, bfloat16 scales) written and dequantized by the
+compressed-tensors library itself. transformers runs the same model with the dequantized
 float weights. jaxkv's logits equal those within 1e-3 relative (prefill, chunks and decode),
 and its greedy tokens equal transformers' on 4 prompts."""
 
@@ -88,6 +90,40 @@ def _fp8(w, per_channel):
         q.astype(np.float32) * scale
 
 
+def _ct_int4(w, strategy):
+    """compressed-tensors' own pack-quantized int4 tensors of w [out, in] (round to nearest
+    with its qparams: per group of GROUP with zero points, or per channel symmetric; scales in
+    bfloat16 as llm-compressor writes a bfloat16 model's) and its own dequantized [out, in]."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = _ct_scheme(strategy)
+    t = torch.from_numpy(w)
+    lo_hi = t.reshape(t.shape[0], -1, GROUP) if strategy == "group" else t[:, None, :]
+    scale, zp = calculate_qparams(lo_hi.amin(-1), lo_hi.amax(-1), scheme.weights)
+    state = {"weight": t, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zp}
+    packed = PackedQuantizationCompressor.compress(state, scheme)
+    # dequantized in float32 (the bfloat16 scales' values widened), not rounded to bfloat16
+    deq = PackedQuantizationCompressor.decompress(
+        {**packed, "weight_scale": packed["weight_scale"].float()}, scheme)["weight"]
+    tensors = {k: v if v.dtype == torch.bfloat16 else v.numpy() for k, v in packed.items()}
+    return tensors, deq.float().numpy()
+
+
+def _ct_scheme(strategy):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    args = dict(group_size=GROUP, symmetric=False) if strategy == "group" else dict(symmetric=True)
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", strategy=strategy, actorder="static", **args))
+
+
+def _ct_config(strategy):
+    from compressed_tensors.quantization import QuantizationConfig
+    return QuantizationConfig(config_groups={"group_0": _ct_scheme(strategy)},
+                              format="pack-quantized", ignore=["lm_head"],
+                              quantization_status="compressed").model_dump(mode="json")
+
+
 QUANT_CONFIGS = {
     "fp8": {"quant_method": "fp8", "activation_scheme": "static"},
     "compressed-tensors": {
@@ -100,6 +136,8 @@ QUANT_CONFIGS = {
             "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
              "sym": False, "checkpoint_format": "gptq"},
+    "compressed-tensors:int4-group": lambda: _ct_config("group"),
+    "compressed-tensors:int4-channel": lambda: _ct_config("channel"),
 }
 
 
@@ -124,6 +162,8 @@ def _write(fmt, path, config: dict = COMMON):
             t, deq = _fp8(w, per_channel=fmt == "compressed-tensors")
             if fmt == "fp8":
                 t["input_scale"] = np.asarray(0.05, np.float32)
+        elif fmt.startswith("compressed-tensors:"):
+            t, deq = _ct_int4(w, fmt.split("-")[-1])
         else:
             t, deq = _awq(w) if fmt == "awq" else _gptq(w, rng)
         tensors.update({f"{prefix}.{k}": v for k, v in t.items()})
@@ -131,26 +171,28 @@ def _write(fmt, path, config: dict = COMMON):
     hf.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()})
     fp8 = {k for k, v in tensors.items() if v.dtype == ml_dtypes.float8_e4m3fn}
     _save(tensors, fp8, path / "model.safetensors")
+    qc = QUANT_CONFIGS[fmt]
     config = {**cfg.to_dict(), "architectures": ["LlamaForCausalLM"],
-              "quantization_config": QUANT_CONFIGS[fmt]}
+              "quantization_config": qc() if callable(qc) else qc}
     (path / "config.json").write_text(json.dumps(config))
     tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
     return hf
 
 
 def _save(tensors, fp8, file):
-    """safetensors through torch where numpy has no float8."""
-    if not fp8:
+    """safetensors through torch where numpy has no float8 (or a tensor is torch's bfloat16)."""
+    if not fp8 and not any(isinstance(v, torch.Tensor) for v in tensors.values()):
         return save_numpy(tensors, str(file))
     from safetensors.torch import save_file
-    out = {k: (torch.from_numpy(v.view(np.uint8)).view(torch.float8_e4m3fn) if k in fp8
+    out = {k: (v if isinstance(v, torch.Tensor)
+               else torch.from_numpy(v.view(np.uint8)).view(torch.float8_e4m3fn) if k in fp8
                else torch.from_numpy(np.ascontiguousarray(v))) for k, v in tensors.items()}
     save_file(out, str(file))
 
 
 @pytest.fixture(scope="module", params=list(QUANT_CONFIGS))
 def quantized(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param.replace("-", "_"))
+    path = tmp_path_factory.mktemp(request.param.replace("-", "_").replace(":", "_"))
     return request.param, _write(request.param, path), path
 
 
@@ -159,7 +201,7 @@ def test_logits_equal_the_dequantized_float_model(quantized):
     ckpt = load_hf_dir(str(path))
     mc = ModelConfig.from_hf_config(ckpt.config)
     spec = resolve(None, ckpt.config, "cpu")
-    assert spec.name == fmt and not spec.online
+    assert spec.name == fmt.split(":")[0] and not spec.online
     model = LlamaModel(mc, quant=spec)
     params = params_from_tensors(model, ckpt.tensors)
     leaves = params["layers_0"]["q_proj"]
@@ -175,7 +217,7 @@ def test_greedy_tokens_equal_transformers(quantized):
     llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=64, token_buckets=(8, 64),
               kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
     s = llm.stats()
-    assert s.quantization == fmt
+    assert s.quantization == fmt.split(":")[0]
     float_bytes = sum(p.numel() * 4 for p in hf.parameters())
     assert s.weights_bytes < float_bytes
     rng = np.random.default_rng(2)
