@@ -297,9 +297,11 @@ def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
     if args.enable_expert_parallel and mc.num_experts % tp:
         raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp} must divide "
                          f"num_experts ({mc.num_experts})")
-    if quant is not None and mc.num_experts:
-        raise ValueError(f"quantization {quant.name!r}: quantized mixture-of-experts weights "
-                         f"({mc.architecture}) are not supported yet")
+    if quant is not None and mc.num_experts and (quant.method == "gguf" or tp > 1):
+        raise ValueError(f"quantization {quant.name!r}: quantized experts ({mc.architecture}) "
+                         + ("in GGUF blocks are not kept yet (leave quantization unset: float "
+                            "weights)" if quant.method == "gguf" else
+                            f"are not split over devices yet (tensor_parallel_size {tp})"))
 
 
 def _max_model_len(asked: int | None, mc: ModelConfig) -> int:

@@ -191,7 +191,7 @@ class DecoderLayer(nn.Module):
             h = norm("post_attention_layernorm")(x)
         if layer in c.moe_layers:  # a sparse MLP (jaxkv/models/moe.py)
             valid = jnp.arange(t) < step.query_start_loc[step.num_seqs[0]]  # not padding
-            y, _ = MoE(c, dt, Linear, mm, name="mlp")(h, valid)
+            y, _ = MoE(c, dt, Linear, mm, qs, name="mlp")(h, valid)
             return (x + y, pool), None
         g, u = mm(h, Linear(c.intermediate_size, False, dt, qs, name="gate_proj"),
                   Linear(c.intermediate_size, False, dt, qs, name="up_proj"))

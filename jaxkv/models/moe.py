@@ -10,7 +10,12 @@ The experts run as grouped matmuls over the (token, expert) pairs sorted by expe
 (jax.lax.ragged_dot with each expert's row count), so a step computes T * k expert rows, not
 T * E. Parameters (leaves of the layer's "mlp"): router [hidden, E], gate_proj and up_proj
 [E, hidden, moe_intermediate], down_proj [E, moe_intermediate, hidden]; the shared expert
-is a dense gated MLP (Linear modules) beside them.
+is a dense gated MLP (Linear modules) beside them. Quantized (`quant`), each of gate_proj,
+up_proj and down_proj is instead a module of the format's leaves stacked per expert
+(jaxkv/quantization/linear.py declare_experts), widened to the model's dtype for the grouped
+matmul (the weights are held quantized; the step reads them whole, as every expert's
+weights are); the shared expert's layers are quantized like a dense MLP's, its gate and the
+router stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +25,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.models.model_config import ModelConfig
+from jaxkv.quantization import QuantSpec
+from jaxkv.quantization import linear as qlinear
+
+
+class QuantizedExperts(nn.Module):
+    """The stacked leaves of `num` quantized experts' [in, out] layers."""
+    spec: QuantSpec
+    num: int
+    in_features: int
+    out: int
+
+    @nn.compact
+    def __call__(self) -> dict:
+        return qlinear.declare_experts(self, self.spec, self.num, self.in_features, self.out)
 
 
 class MoE(nn.Module):
@@ -30,16 +49,23 @@ class MoE(nn.Module):
     dtype: jnp.dtype
     linear: type  # jaxkv.models.llama.Linear (the shared expert's layers)
     matmul: object  # jaxkv.models.llama.matmul bound to the model's cpu flag
+    quant: QuantSpec | None = None
+
+    def experts(self, name: str, in_features: int, out: int):
+        """An expert weight [E, in, out] in the model's dtype (quantized ones widened)."""
+        c, dt = self.cfg, self.dtype
+        if self.quant is None:
+            return self.param(name, nn.initializers.normal(0.02), (c.num_experts, in_features, out), dt)
+        leaves = QuantizedExperts(self.quant, c.num_experts, in_features, out, name=name)()
+        return qlinear.dequantize_experts(leaves, self.quant, dt)
 
     @nn.compact
     def __call__(self, x, valid=None):
         c, dt = self.cfg, self.dtype
         h, e, i, k = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
-        init = nn.initializers.normal(0.02)
-        router = self.param("router", init, (h, e), dt)
-        w_gate = self.param("gate_proj", init, (e, h, i), dt)
-        w_up = self.param("up_proj", init, (e, h, i), dt)
-        w_down = self.param("down_proj", init, (e, i, h), dt)
+        router = self.param("router", nn.initializers.normal(0.02), (h, e), dt)
+        w_gate, w_up = self.experts("gate_proj", h, i), self.experts("up_proj", h, i)
+        w_down = self.experts("down_proj", i, h)
         x = x.astype(dt)
         probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, k)  # [T, k]
@@ -57,9 +83,10 @@ class MoE(nn.Module):
         y = jnp.zeros_like(x).at[token].add(ys)
         if c.shared_expert_intermediate_size:
             s = c.shared_expert_intermediate_size
-            g, u = self.matmul(x, self.linear(s, False, dt, name="shared_gate_proj"),
-                               self.linear(s, False, dt, name="shared_up_proj"))
-            shared = self.matmul(nn.silu(g) * u, self.linear(h, False, dt, name="shared_down_proj"))[0]
+            q = self.quant
+            g, u = self.matmul(x, self.linear(s, False, dt, q, name="shared_gate_proj"),
+                               self.linear(s, False, dt, q, name="shared_up_proj"))
+            shared = self.matmul(nn.silu(g) * u, self.linear(h, False, dt, q, name="shared_down_proj"))[0]
             gate = self.matmul(x, self.linear(1, False, dt, name="shared_expert_gate"))[0]
             y = y + jax.nn.sigmoid(gate) * shared
         return y, sizes

@@ -83,7 +83,7 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
                 a = get(f"{prefix}.{'bias' if leaf == 'bias' else 'weight'}")
                 layer[mod][leaf] = a.T if transpose and leaf == "kernel" else a
         if "mlp" in shapes[f"layers_{i}"]:
-            layer["mlp"] = moe_leaves(c, get, i)
+            layer["mlp"] = moe_leaves(c, get, i, model.quant)
     return _checked(shapes, out)
 
 
@@ -92,17 +92,28 @@ _MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", "gate", ("w1", "w3", "w
 _QWEN_MOE_NAMES = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 
 
-def moe_leaves(c: ModelConfig, get, i: int) -> dict:
-    """Layer i's sparse MLP from HF tensors (torch layout [out, in]; experts stacked)."""
+def moe_leaves(c: ModelConfig, get, i: int, quant=None) -> dict:
+    """Layer i's sparse MLP from HF tensors (torch layout [out, in]; experts stacked); with
+    `quant` each expert's layers in that format (linear_leaves), stacked leaf by leaf."""
     prefix, router, (gate, up, down) = _MOE_NAMES.get(c.architecture, _QWEN_MOE_NAMES)
     p = f"model.layers.{i}.{prefix}"
-    stack = lambda name: np.stack([np.asarray(get(f"{p}.experts.{e}.{name}.weight")).T  # noqa: E731
-                                   for e in range(c.num_experts)])
+    h, m = c.hidden_size, c.moe_intermediate_size
+
+    def stack(name, n_in, n_out):
+        names = [f"{p}.experts.{e}.{name}" for e in range(c.num_experts)]
+        if quant is None:
+            return np.stack([np.asarray(get(f"{n}.weight")).T for n in names])
+        each = [linear_leaves(quant, get, n, n_in, n_out) for n in names]
+        return {k: np.stack([x[k] for x in each]) for k in each[0]}
+
     out = {"router": np.asarray(get(f"{p}.{router}.weight")).T,
-           "gate_proj": stack(gate), "up_proj": stack(up), "down_proj": stack(down)}
+           "gate_proj": stack(gate, h, m), "up_proj": stack(up, h, m), "down_proj": stack(down, m, h)}
     if c.shared_expert_intermediate_size:
-        for mod in ("gate_proj", "up_proj", "down_proj"):
-            out[f"shared_{mod}"] = {"kernel": np.asarray(get(f"{p}.shared_expert.{mod}.weight")).T}
+        s = c.shared_expert_intermediate_size
+        for mod, (n_in, n_out) in (("gate_proj", (h, s)), ("up_proj", (h, s)), ("down_proj", (s, h))):
+            name = f"{p}.shared_expert.{mod}"
+            out[f"shared_{mod}"] = ({"kernel": np.asarray(get(f"{name}.weight")).T} if quant is None
+                                    else linear_leaves(quant, get, name, n_in, n_out))
         out["shared_expert_gate"] = {"kernel": np.asarray(get(f"{p}.shared_expert_gate.weight")).T}
     return out
 

@@ -58,18 +58,36 @@ class QuantSpec:
         """The name stats, the log and /metrics show (vLLM's --quantization value)."""
         return self.checkpoint or self.method
 
-    def bytes_per_weight(self) -> float:
-        """Device bytes per weight of a quantized layer, scales and zero points included."""
+    def layer_bytes(self, n_in: int, out: int) -> float:
+        """Device bytes of one quantized [in, out] layer: its values, and per output channel
+        fp8's float32 scale, or per group of inputs a float16 scale and a uint8 zero point
+        (gguf: a float16 min); GPTQ act-order adds an int32 per input."""
         if self.method == "fp8":
-            return 1.0
-        group = self.group_size or 128
-        return self.bits / 8 + (2 + (2 if self.method == "gguf" else 1)) / group  # scale, zero / min
+            return n_in * out + 4 * out
+        groups = n_in // self.group_size if self.group_size else 1
+        per_group = 2 + (2 if self.method == "gguf" else 1)
+        return n_in * out * self.bits / 8 + groups * out * per_group + (4 * n_in if self.act_order else 0)
+
+
+def _linear_layers(mc) -> list[tuple[int, int, int]]:
+    """(inputs, outputs, how many) of every quantized linear layer: q, k, v, o and the MLP's
+    gate, up, down in each decoder layer; a mixture of experts' layers: each expert's and the
+    shared expert's (the router and the shared expert's gate stay float)."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    out = [(h, q, mc.num_layers), (h, kv, 2 * mc.num_layers), (q, h, mc.num_layers)]
+    dense = mc.num_layers - len(mc.moe_layers)
+    mlps = [(mc.intermediate_size, dense),
+            (mc.moe_intermediate_size, mc.num_experts * len(mc.moe_layers)),
+            (mc.shared_expert_intermediate_size, len(mc.moe_layers))]
+    for m, n in mlps:
+        if m and n:
+            out += [(h, m, 2 * n), (m, h, n)]
+    return out
 
 
 def linear_params(mc) -> int:
-    """Weights of the decoder layers' linear modules (q, k, v, o, gate, up, down), all layers."""
-    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    return mc.num_layers * (2 * h * q + 2 * h * kv + 3 * h * mc.intermediate_size)
+    """Weights of the decoder layers' quantized linear modules (_linear_layers), all layers."""
+    return sum(n_in * out * n for n_in, out, n in _linear_layers(mc))
 
 
 def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
@@ -78,15 +96,11 @@ def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
     total = mc.num_params() * dtype_bytes
     if spec is None:
         return total
-    n = linear_params(mc)
-    out = total - n * dtype_bytes + n * spec.bytes_per_weight()
-    if spec.method == "fp8":  # a float32 scale per output channel of each layer
-        h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-        out += 4 * mc.num_layers * (q + 2 * kv + 2 * h + 2 * mc.intermediate_size)
+    out = total - linear_params(mc) * dtype_bytes
+    out += sum(spec.layer_bytes(n_in, o) * n for n_in, o, n in _linear_layers(mc))
     if spec.embedding_bits:  # gguf: the embedding in its own blocks
-        e = mc.vocab_size * mc.hidden_size
-        out += e * (QuantSpec("gguf", bits=spec.embedding_bits, group_size=32).bytes_per_weight()
-                    - dtype_bytes)
+        blocks = QuantSpec("gguf", bits=spec.embedding_bits, group_size=32)
+        out += blocks.layer_bytes(mc.hidden_size, mc.vocab_size) - mc.vocab_size * mc.hidden_size * dtype_bytes
     return int(out)
 
 
@@ -108,8 +122,13 @@ def check_layer_shapes(spec: QuantSpec | None, mc) -> None:
     if spec is None or spec.method == "fp8":
         return
     h, q, kv, m = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size
-    for name, (n_in, out) in {"q_proj": (h, q), "k_proj": (h, kv), "o_proj": (q, h),
-                              "gate_proj": (h, m), "down_proj": (m, h)}.items():
+    layers = {"q_proj": (h, q), "k_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, m),
+              "down_proj": (m, h)}
+    for kind, size in (("experts", mc.moe_intermediate_size),
+                       ("shared_expert", mc.shared_expert_intermediate_size)):
+        if mc.num_experts and size:
+            layers.update({f"{kind}.gate_proj": (h, size), f"{kind}.down_proj": (size, h)})
+    for name, (n_in, out) in layers.items():
         if spec.group_size and n_in % spec.group_size:
             raise ValueError(f"quantization_config.group_size {spec.group_size} does not divide "
                              f"the {n_in} inputs of {name}")

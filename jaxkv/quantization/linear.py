@@ -9,7 +9,9 @@ Leaves by QuantSpec.method (kernel layout [in, out], as jaxkv's float kernels):
 - gguf: "qweight" as above for 4 bits, int8 [in, out] for 8, "scales" and "mins" float16
   [in / 32, out]; W[i] = q[i] * scale[g] + min[g] (jaxkv/quantization/gguf.py).
 The embedding kept quantized (gguf) is a layer of these leaves too, [hidden, vocab]: the LM
-head's orientation (`QuantizedEmbed` in jaxkv/models/llama.py).
+head's orientation (`QuantizedEmbed` in jaxkv/models/llama.py). A mixture of experts' experts
+hold the same leaves stacked along a leading expert axis (`declare_experts`), widened to the
+model's dtype for the grouped matmul (`dequantize_experts`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,23 @@ def declare(module, spec: QuantSpec, in_features: int, out: int) -> dict:
     """The layer's leaves as params of the Flax `module` (zeros until loaded)."""
     return {name: module.param(name, jax.nn.initializers.zeros, shape, dtype)
             for name, (shape, dtype) in leaf_shapes(spec, in_features, out).items()}
+
+
+def declare_experts(module, spec: QuantSpec, num: int, in_features: int, out: int) -> dict:
+    """`num` experts' leaves, each of leaf_shapes' shape behind a leading expert axis."""
+    return {name: module.param(name, jax.nn.initializers.zeros, (num, *shape), dtype)
+            for name, (shape, dtype) in leaf_shapes(spec, in_features, out).items()}
+
+
+def dequantize_experts(w: dict, spec: QuantSpec, dtype) -> jax.Array:
+    """Stacked experts' leaves -> their weights [E, in, out] in `dtype`, in the inputs' own
+    order (act-order rows put back from group order with the inverse of "perm")."""
+    body = {k: v for k, v in w.items() if k != "perm"}
+    deq = jax.vmap(lambda leaves: dequantize(leaves, spec, dtype))(body)
+    if "perm" in w:
+        inverse = jnp.argsort(w["perm"], axis=-1)
+        deq = jnp.take_along_axis(deq, inverse[..., None], axis=1)
+    return deq
 
 
 def dequantize(w: dict, spec: QuantSpec, dtype) -> jax.Array:
@@ -115,6 +134,6 @@ def dummy_leaf(name: str, shape: tuple, dtype, key, spec: QuantSpec) -> jax.Arra
         return jnp.full(shape, 8 - spec.zero_offset, dtype)
     if name == "mins":
         return jnp.full(shape, 0.0 if bits8 else -8 * step, dtype)
-    if name == "perm":
-        return jnp.arange(shape[0], dtype=dtype)
+    if name == "perm":  # [in], or [experts, in]
+        return jnp.broadcast_to(jnp.arange(shape[-1], dtype=dtype), shape)
     raise ValueError(f"no dummy values for leaf {name!r}")

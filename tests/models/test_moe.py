@@ -96,8 +96,16 @@ def test_plan_counts_total_and_active_params(tmp_path):
 def test_what_moe_models_refuse(tmp_path):
     make_moe("mixtral", tmp_path)
     mc = ModelConfig.from_hf_config(load_hf_dir(str(tmp_path), load_weights=False).config)
-    with pytest.raises(ValueError, match="quantized mixture-of-experts weights"):
-        EngineArgs(quantization="fp8").create_engine_config(platform="cpu", model_config=mc)
+    with pytest.raises(ValueError, match=r"quantized experts \(MixtralForCausalLM\) are not "
+                                         r"split over devices yet \(tensor_parallel_size 2\)"):
+        EngineArgs(quantization="fp8", tensor_parallel_size=2).create_engine_config(
+            platform="cpu", model_config=mc)
+    assert EngineArgs(quantization="fp8").create_engine_config(
+        platform="cpu", model_config=mc).runner.quantization.method == "fp8"
+    gguf = {"quant_method": "gguf", "tensor_types": {"blk.0.attn_q.weight": "Q8_0"}}
+    with pytest.raises(ValueError, match="quantized experts .* in GGUF blocks are not kept yet"):
+        EngineArgs(quantization="gguf").create_engine_config(
+            platform="cpu", model_config=mc, quantization_config=gguf)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         EngineArgs(tensor_parallel_size=3).create_engine_config(platform="cpu", model_config=mc)
     import dataclasses

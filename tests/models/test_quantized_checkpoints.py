@@ -11,6 +11,7 @@ and its greedy tokens equal transformers' on 4 prompts."""
 from __future__ import annotations
 
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -30,6 +31,9 @@ from tests.models.test_architectures import COMMON
 GROUP = 32
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# each expert's layers (Mixtral's w1 / w3 / w2, Qwen's) and a shared expert's
+EXPERTS = re.compile(r"(experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)"
+                     r"|shared_expert\.(gate|up|down)_proj)$")
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ packs column order_map[k] into nibble k
 
 
@@ -144,18 +148,26 @@ QUANT_CONFIGS = {
 def _write(fmt, path, config: dict = COMMON):
     """A tiny Llama (`config`: transformers LlamaConfig fields) in format `fmt` at `path` (a
     pathlib.Path), and transformers' model with the dequantized weights."""
-    from jaxkv.loader.gguf import embedded_model_path
-    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
-
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**config, tie_word_embeddings=False)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     state = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    tensors = _quantize_tensors(fmt, state)
+    hf.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()})
+    _save_quantized(fmt, tensors, {**cfg.to_dict(), "architectures": ["LlamaForCausalLM"]}, path)
+    return hf
+
+
+def _quantize_tensors(fmt, state: dict) -> dict:
+    """The checkpoint tensors of float `state` (HF names -> float32 [out, in]) in format
+    `fmt`: every linear layer's (attention, MLP, each expert's and a shared expert's; not a
+    router or the shared expert's gate) quantized; `state` gets their dequantized weights."""
     rng = np.random.default_rng(0)
     tensors = {}
-    for name, w in state.items():
+    for name, w in list(state.items()):
         prefix = name[:-len(".weight")]
-        if not any(prefix.endswith(x) for x in LINEARS):
+        if not name.endswith(".weight") or not (any(prefix.endswith(x) for x in LINEARS)
+                                                 or EXPERTS.search(prefix)):
             tensors[name] = w
             continue
         if fmt in ("fp8", "compressed-tensors"):
@@ -168,15 +180,35 @@ def _write(fmt, path, config: dict = COMMON):
             t, deq = _awq(w) if fmt == "awq" else _gptq(w, rng)
         tensors.update({f"{prefix}.{k}": v for k, v in t.items()})
         state[name] = deq
-    hf.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()})
-    fp8 = {k for k, v in tensors.items() if v.dtype == ml_dtypes.float8_e4m3fn}
+    return tensors
+
+
+def _save_quantized(fmt, tensors: dict, config: dict, path) -> None:
+    from jaxkv.loader.gguf import embedded_model_path
+    from jaxkv.loader.gguf_tokenizer import tokenizer_from_gguf
+    fp8 = {k for k, v in tensors.items() if not isinstance(v, torch.Tensor)
+           and v.dtype == ml_dtypes.float8_e4m3fn}
     _save(tensors, fp8, path / "model.safetensors")
     qc = QUANT_CONFIGS[fmt]
-    config = {**cfg.to_dict(), "architectures": ["LlamaForCausalLM"],
-              "quantization_config": qc() if callable(qc) else qc}
+    config = {**config, "quantization_config": qc() if callable(qc) else qc}
     (path / "config.json").write_text(json.dumps(config))
     tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
-    return hf
+
+
+def _write_moe(fmt, path, name="qwen2_moe"):
+    """A tiny MoE of family `name` (tests/models/test_moe.py; a shared expert of 64 so that
+    groups of 32 divide it) in format `fmt` at `path`, and transformers' model loaded from a
+    folder of its dequantized float weights."""
+    from jaxkv.loader.hf import load_hf_tensors
+    from tests.models.test_moe import MOE, make_moe
+    make_moe(name, path / "float", shared_expert_intermediate_size=64)
+    state = {k: np.asarray(v, np.float32) for k, v in load_hf_tensors(path / "float").items()}
+    tensors = _quantize_tensors(fmt, state)
+    config = json.loads((path / "float" / "config.json").read_text())
+    _save_quantized(fmt, tensors, config, path)
+    save_numpy({k: np.ascontiguousarray(v, np.float32) for k, v in state.items()},
+               str(path / "float" / "model.safetensors"))
+    return MOE[name][1].from_pretrained(str(path / "float")).eval()
 
 
 def _save(tensors, fp8, file):
@@ -220,6 +252,36 @@ def test_greedy_tokens_equal_transformers(quantized):
     assert s.quantization == fmt.split(":")[0]
     float_bytes = sum(p.numel() * 4 for p in hf.parameters())
     assert s.weights_bytes < float_bytes
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 9, 17, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == greedy_reference(hf, p, 12), fmt
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_CONFIGS))
+def test_a_quantized_mixture_of_experts(fmt, tmp_path):
+    """A tiny Qwen2-MoE (every expert's layers and the shared expert's quantized, the router
+    and the shared expert's gate float) in each format: logits within 1e-3 of transformers on
+    the dequantized weights, its greedy tokens, and the weights' bytes as jaxkv plan counts
+    them."""
+    from jaxkv import LLM, SamplingParams
+    from jaxkv.quantization import weights_bytes
+    hf = _write_moe(fmt, tmp_path)
+    ckpt = load_hf_dir(str(tmp_path))
+    mc = ModelConfig.from_hf_config(ckpt.config)
+    spec = resolve(None, ckpt.config, "cpu")
+    model = LlamaModel(mc, quant=spec)
+    params = params_from_tensors(model, ckpt.tensors)
+    assert set(params["layers_0"]["mlp"]["gate_proj"]) >= {"qweight", "scales"} | (
+        {"kernel"} if spec.method == "fp8" else set()) or spec.method == "fp8"
+    assert_logits_match(hf, model, params, mc, COMMON["vocab_size"], 1e-3, fmt,
+                        quantization_config=ckpt.config["quantization_config"])
+    llm = LLM(model=str(tmp_path), max_model_len=128, max_num_batched_tokens=64,
+              token_buckets=(8, 64), kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
+    s = llm.stats()
+    assert s.quantization == fmt.split(":")[0] and s.weights_bytes == weights_bytes(mc, 4, spec)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 9, 17, 30)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
