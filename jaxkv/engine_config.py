@@ -291,7 +291,6 @@ def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
     tp = args.tensor_parallel_size
     check_tensor_parallel(mc, tp)
     check_quantized_split(quant, mc, tp)
-    check_layer_shapes(quant, mc)
     if args.enable_expert_parallel and not mc.num_experts:
         raise ValueError(f"enable_expert_parallel: {mc.architecture} has no experts")
     if args.enable_expert_parallel and mc.num_experts % tp:
@@ -302,6 +301,7 @@ def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
                          + ("in GGUF blocks are not kept yet (leave quantization unset: float "
                             "weights)" if quant.method == "gguf" else
                             f"are not split over devices yet (tensor_parallel_size {tp})"))
+    check_layer_shapes(quant, mc)
 
 
 def _max_model_len(asked: int | None, mc: ModelConfig) -> int:
