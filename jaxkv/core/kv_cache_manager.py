@@ -203,12 +203,11 @@ class KVCacheManager:
         self.remove_skipped_blocks(req)
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + (len(new_computed_blocks) + len(loads)) * self.block_size
-        if self.sliding_window is not None:  # hits behind the window are not taken
-            skip = max(num_computed - self.sliding_window + 1, 0) // self.block_size - len(blocks)
-            skip = min(max(skip, 0), len(new_computed_blocks))
-            new_computed_blocks = [0] * skip + list(new_computed_blocks[skip:])
+        new_computed_blocks, loads, behind = self._skip_hits_behind_window(
+            num_computed, len(blocks), new_computed_blocks, loads)
         total = num_computed + num_new_tokens
-        num_new_blocks = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_new_blocks = (cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+                          - behind)
         # Cached blocks with no holder sit in the free queue: taking them uses free capacity.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b and self.pool.blocks[b].ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:
@@ -218,9 +217,9 @@ class KVCacheManager:
         # Where each load comes from, fixed before any eviction below could push it out.
         sources = [("host", self.host.load(h)) if self.host.lookup(h) is not None
                    else ("disk", self.disk.load(h)) for h in loads]
-        if new_computed_blocks:
+        if new_computed_blocks or behind:
             self.pool.touch([b for b in new_computed_blocks if b])
-            blocks.extend(new_computed_blocks)
+            blocks.extend(list(new_computed_blocks) + [0] * behind)
             self.num_cached_blocks[req.request_id] = len(blocks)
         first_load = len(blocks)
         if num_new_blocks > 0:
@@ -236,6 +235,19 @@ class KVCacheManager:
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return True
 
+    def _skip_hits_behind_window(self, num_computed: int, held: int, hits: list[int],
+                                 loads: list[BlockHash]) -> tuple:
+        """With a sliding window, the prefix hits (device blocks, then lower-tier loads) that
+        lie wholly behind the window of the next token at `num_computed` are not taken: device
+        hits become the null block, loads are dropped and counted (their entries become the
+        null block too). Returns (hits, loads, loads dropped)."""
+        if self.sliding_window is None:
+            return hits, loads, 0
+        behind = max(num_computed - self.sliding_window + 1, 0) // self.block_size - held
+        skip = min(max(behind, 0), len(hits))
+        dropped = min(max(behind - skip, 0), len(loads))
+        return [0] * skip + list(hits[skip:]), list(loads[dropped:]), dropped
+
     def remove_skipped_blocks(self, req: Request) -> int:
         """Free `req`'s blocks wholly before its sliding window: the next token, at position
         req.num_computed_tokens, sees keys from num_computed_tokens - sliding_window + 1 on.
@@ -244,7 +256,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(req.request_id)
         if self.sliding_window is None or not blocks:
             return 0
-        first_needed = max(req.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        pos = req.num_computed_tokens  # (or where n > 1 samples still have to fork)
+        if req.fork_position is not None:
+            pos = min(pos, req.fork_position)
+        first_needed = max(pos - self.sliding_window + 1, 0) // self.block_size
         freed = []
         for i in range(min(first_needed, len(blocks)) - 1, -1, -1):
             if blocks[i] == 0:  # freed before, and so is everything in front of it
@@ -272,8 +287,9 @@ class KVCacheManager:
             return
         self._update_block_hashes(req)
         blocks = self.req_to_blocks[req.request_id]
-        for i in range(start, end):
-            if self.pool.cache_block(blocks[i], req.block_hashes[i]):
+        for i in range(start, end):  # (a block freed behind the window before it was hashed:
+            #                            accepted draft tokens filled it and more: no entry)
+            if blocks[i] and self.pool.cache_block(blocks[i], req.block_hashes[i]):
                 self._step_cached.append(blocks[i])
         self.num_cached_blocks[req.request_id] = end
 

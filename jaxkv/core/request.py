@@ -63,6 +63,9 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    # n > 1: the position the other samples fork at, until they have forked (None after):
+    # the KV cache manager keeps the blocks that position's sliding window sees.
+    fork_position: int | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
     # Per-step products kept for the output: logprob dicts and cumulative logprob.
     logprobs: list | None = None

@@ -76,6 +76,7 @@ class Scheduler:
             for c in children:
                 self.requests[c.request_id] = c
             self.pending_forks[req.request_id] = list(children)
+            req.fork_position = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -363,6 +364,7 @@ class Scheduler:
 
     def _fork(self, parent: Request, kids: list[Request]) -> None:
         shared = (parent.num_prompt_tokens - 1) // self.block_size
+        parent.fork_position = None  # the children hold what they need now
         for kid in reversed(kids):
             self.kv.fork(parent, kid, shared)
             kid.num_computed_tokens = shared * self.block_size

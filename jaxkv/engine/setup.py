@@ -193,9 +193,12 @@ def build_model(config, mesh):
         logger.info("matmuls of at most %d rows (decode steps; the LM head of up to %d "
                     "sampled rows): C++ kernel (cpu backend)", cpu_linear.MAX_ROWS,
                     cpu_linear.MAX_ROWS_TRANSPOSED)
-    elif cpu_matmul:
+    elif cpu_matmul and rc.quantization.embedding_bits is None:
         logger.info("the float LM head's matmuls of at most %d rows: C++ kernel (cpu backend); "
                     "the %s layers dequantize in XLA", cpu_linear.MAX_ROWS, rc.quantization.name)
+    elif cpu_matmul:  # gguf's tied LM head reads the embedding's blocks
+        logger.info("matmuls: the %s layers and the LM head (the embedding's blocks) dequantize "
+                    "in XLA", rc.quantization.name)
     log_attention_variants(mc, rc.attention_backend)
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul,

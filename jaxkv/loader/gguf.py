@@ -145,8 +145,9 @@ def _gemma_config(arch: str, key) -> dict[str, Any]:
     big = layers == (46 if arch == "gemma2" else 62)
     out = {"query_pre_attn_scalar": hidden // heads if big else head_dim,
            "hidden_activation": "gelu_pytorch_tanh",
-           "attn_logit_softcapping": key("attn_logit_softcapping", None),
-           "final_logit_softcapping": key("final_logit_softcapping", None)}
+           # llama.cpp's gemma2 defaults (and transformers'): 50 and 30 when the file says none
+           "attn_logit_softcapping": key("attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+           "final_logit_softcapping": key("final_logit_softcapping", 30.0 if arch == "gemma2" else None)}
     pattern = key("attention.sliding_window_pattern", None)  # newer files: per layer or 1 in N
     if isinstance(pattern, (list, tuple, np.ndarray)):
         out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]

@@ -52,6 +52,7 @@ class QuantSpec:
     checkpoint: str | None = None
     zero_offset: int = 0  # GPTQ's original format stores each zero point minus one
     embedding_bits: int | None = None  # gguf: the embedding kept quantized in this many bits
+    symmetric: bool = False  # pack-quantized: no zero points stored (each is 8 on the nibbles)
 
     @property
     def name(self) -> str:
@@ -211,26 +212,27 @@ def _compressed_tensors(qc: dict, platform: str) -> QuantSpec:
     if fmt != "pack-quantized":
         raise ValueError(f"quantization_config.format {fmt!r} is not supported for int4 weights "
                          "(pack-quantized is)")
-    return QuantSpec("pack-quantized", bits=4, group_size=kind[1], checkpoint="compressed-tensors")
+    return QuantSpec("pack-quantized", bits=4, group_size=kind[1], checkpoint="compressed-tensors",
+                     symmetric=kind[2])
 
 
 def _ct_weights(name: str, group) -> tuple:
-    """("float", None) for fp8 weights, ("int", group size or None per channel) for int4;
-    ValueError naming the config group otherwise."""
+    """("float", None, True) for fp8 weights, ("int", group size or None per channel,
+    symmetric) for int4; ValueError naming the config group otherwise."""
     where = f"quantization_config.config_groups.{name}"
     w = group.get("weights") if isinstance(group, dict) else None
     if not isinstance(w, dict):
         raise ValueError(f"{where}.weights must be an object, got {w!r}"[:200])
     kind, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
     if (kind, bits) == ("float", 8) and strategy in ("tensor", "channel"):
-        return "float", None
+        return "float", None, True
     if (kind, bits) != ("int", 4) or strategy not in ("group", "channel"):
         raise ValueError(f"{where}.weights: jaxkv reads compressed-tensors fp8 weights (type "
                          "float, 8 bits, per tensor or channel) and int4 ones (type int, 4 bits, "
                          f"per group or channel), got {w!r}"[:300])
-    if w.get("actorder") == "group":
-        raise ValueError(f"{where}.weights.actorder 'group' (weight_g_idx) is not supported yet; "
-                         "static or none is")
+    if w.get("actorder") in ("group", True):  # True: the older spelling of "group"
+        raise ValueError(f"{where}.weights.actorder {w.get('actorder')!r} (weight_g_idx) is not "
+                         "supported yet; static or none is")
     act = group.get("input_activations")
     if act:
         raise ValueError(f"{where}.input_activations: jaxkv reads int4 weights with float "
@@ -238,7 +240,7 @@ def _ct_weights(name: str, group) -> tuple:
     size = w.get("group_size") if strategy == "group" else None
     if strategy == "group" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f"{where}.weights.group_size must be a positive integer, got {size!r}")
-    return "int", size
+    return "int", size, bool(w.get("symmetric", True))
 
 
 def _int4_checkpoint(method: str, qc: dict) -> QuantSpec:

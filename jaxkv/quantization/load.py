@@ -87,7 +87,7 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
                          f"input dimension {n_in} of {prefix}")
     g = spec.group_size or n_in
     if spec.method == "pack-quantized":
-        return _pack_quantized_leaves(get, prefix, n_in, out, g)
+        return _pack_quantized_leaves(get, prefix, n_in, out, g, spec.symmetric)
     if spec.method == "awq":
         qweight = _int32(_shaped(get, f"{prefix}.qweight", (n_in, out // 8)), f"{prefix}.qweight")
         q = _nibbles(qweight, 1).reshape(n_in, out // 8, 8)[:, :, np.argsort(AWQ_ORDER)]
@@ -107,7 +107,7 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
     return leaves
 
 
-def _pack_quantized_leaves(get, prefix: str, n_in: int, out: int, g: int) -> dict:
+def _pack_quantized_leaves(get, prefix: str, n_in: int, out: int, g: int, symmetric: bool) -> dict:
     """compressed-tensors int4: value - zero = (nibble - 8) - (zero nibble - 8), so the
     nibbles themselves are jaxkv's unsigned values and zero points (8 when symmetric)."""
     try:
@@ -119,13 +119,11 @@ def _pack_quantized_leaves(get, prefix: str, n_in: int, out: int, g: int) -> dic
     name = f"{prefix}.weight_packed"
     q = _nibbles(_int32(_shaped(get, name, (out, n_in // 8)), name), 1).T
     scales = np.asarray(_shaped(get, f"{prefix}.weight_scale", (out, n_in // g)), np.float32).T
-    try:
-        zp = get(f"{prefix}.weight_zero_point")
-    except ValueError:
+    if symmetric:
         zeros = np.full(scales.shape, 8, np.uint8)
     else:
         name = f"{prefix}.weight_zero_point"
-        zeros = _nibbles(_int32(_shaped(lambda _: zp, name, (-(-out // 8), n_in // g)), name), 0)[:out].T
+        zeros = _nibbles(_int32(_shaped(get, name, (-(-out // 8), n_in // g)), name), 0)[:out].T
     return {"qweight": _pack_rows(np.ascontiguousarray(q)), "scales": scales.astype(np.float16),
             "zeros": np.ascontiguousarray(zeros, np.uint8)}
 

@@ -205,3 +205,49 @@ def test_fork_and_swap_out_skip_blocks_freed_behind_the_window():
 def test_sliding_window_must_be_positive():
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         KVCacheManager(8, 4, sliding_window=0)
+
+
+def test_a_block_freed_behind_the_window_before_it_was_hashed_gets_no_hash():
+    """Window 7, blocks of 4: a draft of 8 tokens all accepted moves the sequence past block 1
+    before its tokens were its own (drafts are never hashed); it is freed unhashed, and the
+    null block that takes its place is never registered under its hash."""
+    kv = KVCacheManager(num_blocks=12, block_size=4, sliding_window=7)
+    a = req("a", range(5))
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    a.append_output_token(100)
+    assert kv.allocate_slots(a, 9)  # 1 + 8 draft tokens at positions 5..13
+    a.num_computed_tokens = 14
+    for t in range(101, 110):
+        a.append_output_token(t)
+    assert kv.allocate_slots(a, 1)
+    assert kv.get_block_ids("a")[:2] == [0, 0] and kv.pool.blocks[0].block_hash is None
+    assert 0 not in kv.pool.cached.values()
+    hit, _ = kv.get_computed_blocks(req("b", list(range(5)) + list(range(100, 110))))
+    assert 0 not in hit
+
+
+def test_host_tier_hits_behind_the_window_are_not_loaded():
+    """A sequence longer than the device pool, computed once (its blocks went to host memory
+    as they were evicted), comes again: the host hits behind its window become null entries
+    instead of blocks to load, so it fits the pool again."""
+    from jaxkv.core.host_tier import HostTier
+    kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=5, host=HostTier(16))
+    a = req("a", range(30))
+    for start in range(0, 28, 4):  # computed in chunks of 4: at most 3 blocks held
+        kv.begin_step()
+        a.num_computed_tokens = start
+        assert kv.allocate_slots(a, 4)
+        kv.commit_step()
+    kv.free(a)
+    b = req("b", range(30))
+    hit, n = kv.get_computed_blocks(b)
+    loads = kv.get_lower_tier_hits(b, len(hit))
+    assert not hit and len(loads) == 3  # blocks 0-2 were evicted to host memory
+    kv.begin_step()
+    assert kv.allocate_slots(b, 2, hit, loads)  # next position 12 sees 8..12: blocks 0, 1 not
+    table = kv.get_block_ids("b")
+    assert table[:2] == [0, 0] and 0 not in table[2:] and len(table) == 4
+    assert len(kv.transfers.host_to_device) == 1 and kv.host_hit_tokens == 4
+    kv.free(b)
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -67,6 +67,11 @@ def test_fuzz_with_blocks_freed_behind_a_sliding_window(caching):
     share blocks freed behind the window, preemption frees the rest)."""
     preemptions = sum(run(seed, caching, 0.2, nb, window=5) for seed in range(150) for nb in (10, 14))
     assert preemptions > 0
+    # A window wider than a block and a budget that ends chunks off block boundaries: the
+    # samples of n > 1 fork behind the parent's last chunk and must still see their whole
+    # window (run checks every scheduled request's table).
+    for seed in range(150):
+        run(seed, caching, 0.0, 14, budget=10, window=7)
 
 
 def test_budget_chunks_prefill_and_decodes_go_first():

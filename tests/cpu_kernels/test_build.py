@@ -69,6 +69,12 @@ def test_engine_refuses_cpu_backend_where_it_cannot_run(monkeypatch, caplog):
     monkeypatch.setattr(build, "_error", "no C++ compiler found")
     with pytest.raises(ValueError, match="cannot be built: no C\\+\\+ compiler"):
         resolve_backend("cpu", "cpu", mc, 1, check)
-    with caplog.at_level("WARNING", logger="jaxkv"):
-        assert resolve_backend("auto", "cpu", mc, 1, check) == "xla"
+    import logging
+    log = logging.getLogger("jaxkv")  # it does not propagate to the root logger caplog watches
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="jaxkv"):
+            assert resolve_backend("auto", "cpu", mc, 1, check) == "xla"
+    finally:
+        log.removeHandler(caplog.handler)
     assert "using the xla attention backend" in caplog.text

@@ -110,6 +110,7 @@ def ct(*weights, fmt="pack-quantized", **group):
     (None, {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "type": "int", "num_bits": 4, "strategy": "group"}}}}, "config_groups.g.weights"),
     (None, ct({**W4, "actorder": "group"}), r"config_groups.g0.weights.actorder 'group'"),
+    (None, ct({**W4, "actorder": True}), r"config_groups.g0.weights.actorder True"),
     (None, ct(W4, input_activations={"type": "int", "num_bits": 8}), "g0.input_activations"),
     (None, ct({**W4, "num_bits": 8}), "config_groups.g0.weights: jaxkv reads"),
     (None, ct(W4, {**W4, "group_size": 64}), "one weight scheme for every layer"),
@@ -204,6 +205,32 @@ def test_bad_int4_tensors_name_the_tensor():
     bad[0] = -1
     with pytest.raises(ValueError, match="x.g_idx does not give every group 32 inputs"):
         linear_leaves(spec, get({**good, "x.g_idx": bad}), "x", n_in, out)
+
+
+def test_bad_pack_quantized_tensors_name_the_tensor():
+    """compressed-tensors int4: zero points a non-symmetric scheme needs, a weight_shape that
+    disagrees with the model, a packed tensor of the wrong shape: each named."""
+    n_in, out = 64, 16
+    good = {"x.weight_packed": np.zeros((16, 8), np.int32), "x.weight_scale": np.ones((16, 2), np.float32),
+            "x.weight_zero_point": np.zeros((2, 2), np.int32), "x.weight_shape": np.array([16, 64])}
+
+    def get(t):
+        def lookup(name):
+            if name not in t:
+                raise ValueError(f"checkpoint lacks tensor {name!r}")
+            return t[name]
+        return lookup
+    asym = QuantSpec("pack-quantized", bits=4, group_size=32, checkpoint="compressed-tensors")
+    assert linear_leaves(asym, get(good), "x", n_in, out)["zeros"].shape == (2, 16)
+    no_zp = {k: v for k, v in good.items() if k != "x.weight_zero_point"}
+    with pytest.raises(ValueError, match="lacks tensor 'x.weight_zero_point'"):
+        linear_leaves(asym, get(no_zp), "x", n_in, out)
+    sym = QuantSpec("pack-quantized", bits=4, group_size=32, symmetric=True)
+    assert (linear_leaves(sym, get(no_zp), "x", n_in, out)["zeros"] == 8).all()
+    with pytest.raises(ValueError, match=r"x.weight_shape is \(16, 32\), expected \(16, 64\)"):
+        linear_leaves(asym, get({**good, "x.weight_shape": np.array([16, 32])}), "x", n_in, out)
+    with pytest.raises(ValueError, match=r"tensor x.weight_packed has shape \(8, 16\)"):
+        linear_leaves(asym, get({**good, "x.weight_packed": np.zeros((8, 16), np.int32)}), "x", n_in, out)
 
 
 def test_convert_refuses_quantized_checkpoints(tmp_path):

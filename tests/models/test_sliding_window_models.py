@@ -234,3 +234,21 @@ def test_a_gemma_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids, name
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model None is not supported.*pass tokenizer="):
         LLM(model=str(tmp_path / "m.gguf"))  # no tokenizer of its own: one line says what to do
+
+
+def test_gemma_gguf_keys_llama_cpp_leaves_out_take_its_defaults():
+    """Soft-capping 50 / 30 for a Gemma 2 file that stores none; the query scale from
+    head_dim, or hidden / heads for the 27B models (46 and 62 blocks); Gemma 3's local RoPE
+    base 10000 and 1 global layer in 6."""
+    from jaxkv.loader.gguf import _gemma_config
+    meta = {"embedding_length": 128, "attention.head_count": 4, "attention.key_length": 16}
+
+    def key_for(blocks):
+        m = {**meta, "block_count": blocks}
+        return lambda name, *default: m.get(name, *default) if default else m[name]
+    small, big = _gemma_config("gemma2", key_for(42)), _gemma_config("gemma2", key_for(46))
+    assert (small["attn_logit_softcapping"], small["final_logit_softcapping"]) == (50.0, 30.0)
+    assert (small["query_pre_attn_scalar"], big["query_pre_attn_scalar"]) == (16, 32)
+    g3 = _gemma_config("gemma3", key_for(62))
+    assert g3["query_pre_attn_scalar"] == 32 and g3["attn_logit_softcapping"] is None
+    assert (g3["rope_local_base_freq"], g3["sliding_window_pattern"]) == (10000.0, 6)
