@@ -2,14 +2,16 @@
 # One command for a lent GPU (an H200 with jax 0.11.2, CUDA 13 plugin; no gguf/fastapi/pydantic,
 # no downloads), run from the repository root:
 #
-#   bash benchmarks/gpu_check.sh                 # on the GPU machine (whole script about 5 minutes)
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine (about 5 minutes, 10 at most)
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   # on a CPU: same stages, tiny shapes, interpret mode
 #
 # Stages, each under its own time guard, each writing result rows as soon as they are measured
 # to $OUT (else benchmarks/results/gpu/): 1 smoke (both kernels lower, run and match the
 # reference), 2 the gpu-marked tests (pytest when installed, else the same checks without it),
 # 3 kernel timings vs the XLA reference (µs, GB/s, device copy GB/s), 4 end-to-end decode
-# throughput of a Llama-3-8B-shaped model with random weights at batch 1, 32 and 128.
+# throughput of a Llama-3-8B-shaped model with random weights at batch 1, 32 and 128, 5 the
+# engine against its own device step (benchmarks/gpu_engine.py: batch 1-256, a profiler trace's
+# GPU idle time, cold warmup, an offline workload, a serving run, a smoke pass of new paths).
 # A failing or timed-out stage is recorded and the next one still runs; the exit status is
 # non-zero if any stage failed.
 set -uo pipefail
@@ -53,11 +55,12 @@ if [[ -n "$DRY" ]]; then
   stage 2_gpu_tests 120 $PY -m benchmarks.forbid_imports tests.pallas.native_checks --interpret --limit 1
   stage 3_kernels 180 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep $DRY
   stage 4_e2e_decode 180 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode $DRY
+  stage 5_gpu_engine 300 $PY -m benchmarks.forbid_imports benchmarks.gpu_engine $DRY
 else
   stage 1_smoke 40 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench smoke
   if $PY -c "import pytest" 2>/dev/null; then
     # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the GPU platform explicitly.
-    stage 2_gpu_tests 180 env JAX_PLATFORMS=cuda $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/pallas/test_gpu.py \
+    stage 2_gpu_tests 180 env JAX_PLATFORMS=cuda $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/pallas/test_gpu.py tests/pallas/test_int4_matmul.py \
       --junitxml="$RES/2_gpu_tests.xml"
   else
     stage 2_gpu_tests 180 $PY -m tests.pallas.native_checks
@@ -65,6 +68,8 @@ else
   stage 3_kernels 70 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep
   stage 4_e2e_decode 110 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode \
     --config benchmarks/configs/llama3-8b --batches 1 32 128
+  stage 5_gpu_engine 300 $PY -m benchmarks.forbid_imports benchmarks.gpu_engine \
+    --config benchmarks/configs/llama3-8b
 fi
 
 $PY -m benchmarks.result_rows > /dev/null 2>&1 || true

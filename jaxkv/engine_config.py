@@ -63,6 +63,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # token budget of one step
     max_model_len: int           # prompt + output tokens of one request
     preemption_mode: str = "recompute"  # or "swap" (through the host tier)
+    # Slots allocated past a sampling request's tokens when they cost no preemption (async
+    # scheduling: the step dispatched ahead writes its next token there; vLLM's lookahead)
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -268,19 +271,23 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                          f"must be less than max_num_batched_tokens ({mnbt}): a draft shares the "
                          "step's token budget with its request's own token")
     _check_layout(args, mc, quant)
+    if (quant is not None and platform == "gpu" and quant.bits == 4 and num_processes == 1
+            and args.tensor_parallel_size == 1 and quant.method != "gguf"):
+        quant = dataclasses.replace(quant, int4_kernel=True)  # pallas_kernels/int4_matmul.py
     cache = _cache_config(args, mc, dtype, max_model_len, device_memory_bytes, quant)
     if num_processes > 1 and cache.num_host_blocks:  # also when the job came from JAX's environment
         raise ValueError("swap_space is not supported by a multi-process engine yet")
     if num_processes > 1 and args.async_scheduling:
         raise ValueError("async_scheduling is not supported by a multi-process engine yet")
+    runner = dataclasses.replace(_runner_config(args, mc, platform, dtype, buckets, speculative,
+                                                num_processes, cpu_kernels_unavailable),
+                                 quantization=quant, expert_parallel=args.enable_expert_parallel)
     return EngineConfig(
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc, cache=cache,
-        scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode),
-        runner=dataclasses.replace(
-            _runner_config(args, mc, platform, dtype, buckets, speculative, num_processes,
-                           cpu_kernels_unavailable), quantization=quant,
-            expert_parallel=args.enable_expert_parallel),
+        scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode,
+                                  num_lookahead_tokens=int(runner.async_scheduling)),
+        runner=runner,
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
 

@@ -143,7 +143,7 @@ class Scheduler:
                 # compute the last position again so the request samples and goes on.
                 req.num_computed_tokens = req.num_tokens - 1
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            while not self._allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -157,6 +157,17 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _allocate(self, req: Request, n: int, hits=(), loads=()) -> bool:
+        """allocate_slots for `n` tokens of `req`, plus num_lookahead_tokens when it samples
+        this step and the pool has them free (never a preemption for them), within
+        max_model_len."""
+        extra = self.config.num_lookahead_tokens
+        if extra and req.num_computed_tokens + n == req.num_tokens < self.config.max_model_len:
+            extra = min(extra, self.config.max_model_len - req.num_tokens)
+            if self.kv.allocate_slots(req, n + extra, hits, loads):
+                return True
+        return self.kv.allocate_slots(req, n, hits, loads)
 
     def _fill_grammar_bitmasks(self, chosen, scheduled) -> None:
         """Each constrained sequence that samples this step gets its allowed-token row."""
@@ -198,7 +209,7 @@ class Scheduler:
                 loads = self.kv.get_lower_tier_hits(req, len(hit_blocks))
             num_hit += len(loads) * self.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hit_blocks, loads):
+            if not self._allocate(req, n, hit_blocks, loads):
                 break
             self.kv.release_swapped(req.request_id)  # its swapped blocks are back (or lost)
             self.waiting.remove(req)

@@ -63,6 +63,8 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_steps = 0  # steps that ran a batch, and the calling thread's CPU seconds in
+        self.host_cpu_seconds = 0.0  # all step() calls (the host's work: waits cost none)
         self._pending_outputs: list[RequestOutput] = []  # made by a step that then raised
         if scheduler.structured_output_manager is None:
             raise ValueError("LLMEngine needs a Scheduler built with a StructuredOutputManager "
@@ -204,6 +206,13 @@ class LLMEngine:
         every request recomputes. The engine stays usable (call step() again, or abort). A
         damaged disk-tier block file is the exception that does not propagate: the step is
         undone the same way and the next one computes those blocks instead."""
+        t0 = time.thread_time()
+        try:
+            return self._step()
+        finally:
+            self.host_cpu_seconds += time.thread_time() - t0
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler
         try:  # schedule -> execute_model -> update_from_output -> outputs
             # Async scheduling: while a decode step run ahead is pending, waiting requests
@@ -215,6 +224,7 @@ class LLMEngine:
                 pending, self._pending_outputs = self._pending_outputs, []
                 return pending
             res = self.runner.execute(out)
+            self.num_steps += 1
         except CorruptBlockError as e:  # a damaged disk-tier file (deleted): compute it again
             self._undo_failed_step()
             logger.warning("%s; its requests compute those blocks again", e)
@@ -336,6 +346,7 @@ class LLMEngine:
                           if self.config.runner.quantization else None),
             weights_bytes=getattr(self.runner, "weights_bytes", 0),
             kv_sliding_window=kv.sliding_window, num_window_freed_blocks=kv.num_window_freed_blocks,
+            num_steps=self.num_steps, host_cpu_seconds=self.host_cpu_seconds,
             cpu_matmul_max_rows=self.runner.cpu_matmul_max_rows,
             fused_greedy_max_tokens=getattr(self.runner, "fused_greedy_max_tokens", 0),
             num_fused_greedy_steps=getattr(self.runner, "num_fused_greedy_steps", 0),

@@ -63,6 +63,10 @@ class LoggingStatLogger:
         if stats.token_buckets:
             line += (f", Compiled token buckets: {len(stats.compiled_token_buckets)}/"
                      f"{len(stats.token_buckets)}")
+        d_steps = stats.num_steps - prev.num_steps
+        if d_steps:
+            line += (f", Host CPU: {1e3 * (stats.host_cpu_seconds - prev.host_cpu_seconds) / d_steps:.2f}"
+                     " ms/step")
         if stats.kv_sliding_window is not None:
             line += (f", Blocks freed behind the window: "
                      f"{stats.num_window_freed_blocks - prev.num_window_freed_blocks}")

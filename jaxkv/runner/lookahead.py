@@ -80,9 +80,10 @@ def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
 
 
 def _same_blocks(now: list[int], predicted: list[int]) -> bool:
-    """Whether the block tables agree, up to blocks the scheduler has since freed behind a
-    sliding window (now the null block 0): the prediction's query masked those positions."""
-    return len(now) == len(predicted) and all(a == b or a == 0 for a, b in zip(now, predicted))
+    """Whether the block tables agree where the prediction read and wrote: the scheduler's
+    may have grown since (blocks appended past them: a lookahead slot) or freed blocks behind
+    a sliding window (now the null block 0: the prediction's query masked those positions)."""
+    return len(now) >= len(predicted) and all(a == b or a == 0 for a, b in zip(now, predicted))
 
 
 def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> ScheduledRequest | None:

@@ -1,0 +1,335 @@
+"""The engine on a GPU against its own device step: the measurements of issue 38, one process.
+
+  python -m benchmarks.gpu_engine                  # Llama-3-8B shapes, random bf16 weights
+  python -m benchmarks.gpu_engine --cpu-dry-run    # a tiny model on the CPU (a test runs this)
+
+Rows go to <dir>/5_gpu_engine.jsonl as measured (benchmarks/result_rows.py: $OUT, else
+benchmarks/results/gpu/), one per measurement, "stage" naming it:
+  decode   per batch B, an engine whose only token bucket is B, B requests of 128-token
+           prompts, once all are past their prefill (a steady batch): engine ms/step and tok/s
+           over N engine steps (LLMEngine.step, async scheduling on), the share of those steps
+           that used a step dispatched ahead (stats().num_async_steps_used), the engine
+           thread's CPU time per step (stats().host_cpu_seconds), the device-only
+           step (runner.forward on one prebuilt decode StepInput, `reps` calls back to back,
+           one block at the end), and the host's dispatch per call (the time to enqueue them).
+  trace    a jax.profiler trace of 32 steady decode steps at batch 128 (the largest batch
+           below it on a dry run): GPU busy and idle time, the idle share, kernels per step
+           (None without GPU events: the CPU).
+  warmup   the offline engine's start (default token buckets; cold: the script turns the
+           compilation cache off unless JAXKV_COMPILATION_CACHE says otherwise).
+  offline  that engine on FULL["offline_requests"] requests (prompts of 32-512 random
+           tokens, outputs of 32-384; issue 38's workload has 1,000): output and total tok/s.
+  serving  the same engine under AsyncLLM, requests arriving at a fixed rate: TTFT and ITL
+           p50 / p99 (the engine's own timestamps, no HTTP: the GPU machine has no FastAPI).
+  smoke    paths not run on a GPU before, each on small token buckets against the plain
+           engine's greedy tokens: int8 and fp8 KV pools, n-gram speculative decoding, prefix
+           hits, and a structured-output request when llguidance is installed.
+Weights are random (load_format="dummy"); the folder gets a word-level tokenizer
+(benchmarks/e2e_decode.model_folder). Rows hold the device name; compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import glob
+import gzip
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.e2e_decode import TINY_CONFIG, model_folder
+from benchmarks.result_rows import Rows
+
+# The H200 run's sizes (gpu_check.sh gives the script 5 minutes; rows land as measured, so a
+# cut keeps the earlier stages) and the CPU dry run's (token_buckets None: the defaults).
+FULL = dict(batches=[1, 32, 128, 256], prompt_len=128, decode_tokens=32, reps=30,
+            kv="24GiB", offline_requests=400, serving_requests=100, serving_rate=20.0,
+            max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None)
+DRY = dict(batches=[1, 4], prompt_len=8, decode_tokens=4, reps=3, kv="32MiB",
+           offline_requests=12, serving_requests=6, serving_rate=50.0, max_num_seqs=8,
+           max_model_len=256, trace_steps=4, token_buckets=(4, 32))
+
+
+def percentile(xs, q: float):
+    return round(float(np.percentile(xs, q)), 4) if len(xs) else None
+
+
+def prompts(rng, n: int, length: int, vocab: int) -> list[dict]:
+    return [{"prompt_token_ids": rng.integers(3, vocab, length).tolist()} for _ in range(n)]
+
+
+def device_step(llm, batch: int, context: int, reps: int, vocab: int) -> tuple[float, float]:
+    """(device-only decode step ms, host dispatch ms per call) at `batch` sequences of
+    `context` tokens: one StepInput built once, `reps` forward calls, one block at the end."""
+    import jax
+
+    from jaxkv import SamplingParams
+    from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    runner = llm.llm_engine.runner
+    per, usable = -(-context // runner.block_size), runner.num_blocks - 1
+    rng, sp = np.random.default_rng(0), SamplingParams(temperature=0)
+    blocks = lambda s: [1 + (s * per + j) % usable for j in range(per)]  # noqa: E731 (contents unread)
+    out = SchedulerOutput([ScheduledRequest(f"d{s}", [int(rng.integers(3, vocab))], context - 1,
+                                            blocks(s), True, sp, s, 0, 0) for s in range(batch)])
+    si = runner.build_inputs(out)
+    jax.block_until_ready(runner.forward(si))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        r = runner.forward(si)
+    dispatch = time.perf_counter() - t0
+    jax.block_until_ready(r)
+    total = time.perf_counter() - t0
+    return 1e3 * total / reps, 1e3 * dispatch / reps
+
+
+def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
+                  around=contextlib.nullcontext) -> tuple[float, int]:
+    """Add `ps` (each may write `max_tokens`, more than the steps timed: none finishes while
+    timed), step until every one has its first token (prefill done: a steady batch), time `n`
+    engine steps (inside the context `around()`: a profiler trace), then abort them; returns
+    (seconds, steps of those that used a step dispatched ahead, the engine thread's CPU ms
+    per step)."""
+    from jaxkv import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}{i}" for i in range(len(ps))]
+    for rid, x in zip(ids, ps):
+        engine.add_request(rid, x, sp)
+    started = set()
+    while len(started) < len(ids):
+        started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+    with around():
+        before, t0 = engine.stats(), time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        dt, after = time.perf_counter() - t0, engine.stats()
+    used = after.num_async_steps_used - before.num_async_steps_used
+    host_ms = 1e3 * (after.host_cpu_seconds - before.host_cpu_seconds) / n
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return dt, used, host_ms
+
+
+def decode_row(folder: str, cfg: dict, b: int, p: dict, rows: Rows, backend: str):
+    """One batch size's row; returns its engine (the trace stage reuses the last one)."""
+    import jax
+
+    from jaxkv import LLM
+    n = p["decode_tokens"]
+    # A budget that prefills the batch in a few steps (with a budget of B, as the 2026-12-04
+    # probe had, the last prompt starts hundreds of steps after the first and the early ones
+    # finish before the batch is ever steady); decode steps pad to the bucket B.
+    budget = max(b, min(b * p["prompt_len"], 4096))
+    most = n + 2 * -(-b * p["prompt_len"] // budget) + 8  # tokens: none finishes while timed
+    llm = LLM(model=folder, load_format="dummy", attention_backend=backend,
+              max_model_len=p["prompt_len"] + most, max_num_seqs=b, max_num_batched_tokens=budget,
+              token_buckets=tuple(sorted({b, budget})), enable_prefix_caching=False,
+              kv_cache_memory_bytes=p["kv"])
+    ps = prompts(np.random.default_rng(b), b, p["prompt_len"], cfg["vocab_size"])
+    steady_decode(llm.llm_engine, ps, 2, "warm", most)  # the sampler's programs compile here
+    dt, used, host_ms = steady_decode(llm.llm_engine, ps, n, "run", most)
+    context = min(p["prompt_len"] + 32, llm.llm_engine.max_model_len - 1)  # the 12-04 probe's 160
+    step_ms, dispatch_ms = device_step(llm, b, context, p["reps"], cfg["vocab_size"])
+    rows.add(stage="decode", batch=b, engine_ms_per_step=round(1e3 * dt / n, 3),
+             tok_per_s=round(b * n / dt, 1), steps_dispatched_ahead=round(used / n, 3),
+             host_cpu_ms_per_step=round(host_ms, 3),
+             device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
+             engine_over_device=round(1e3 * dt / n / step_ms, 2), device=str(jax.devices()[0]))
+    return llm
+
+
+def gpu_idle(trace_dir: str) -> dict:
+    """GPU busy and idle ms, the idle share and kernels per step (steps split at gaps over
+    1 ms) from the Chrome trace jax.profiler wrote under `trace_dir`; Nones without GPU events."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*trace.json.gz"), recursive=True),
+                   key=lambda f: "perfetto" not in f)  # perfetto_trace.json.gz first
+    if not files:
+        return {"gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_idle_share": None}
+    ev = json.load(gzip.open(files[0]))["traceEvents"]
+    pids = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "GPU" in str(e.get("args", {}).get("name"))}
+    ks = sorted((e for e in ev if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
+    if not ks:
+        return {"gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_idle_share": None}
+    busy, end, steps = 0.0, ks[0]["ts"], 1
+    for e in ks:
+        steps += e["ts"] - end > 1e3
+        busy, end = busy + e["dur"], max(end, e["ts"] + e["dur"])
+    span = end - ks[0]["ts"]
+    return {"gpu_busy_ms": round(busy / 1e3, 2), "gpu_idle_ms": round((span - busy) / 1e3, 2),
+            "gpu_idle_share": round(1 - busy / span, 4), "kernels_per_step": len(ks) // steps}
+
+
+def trace_row(llm, cfg: dict, p: dict, rows: Rows, batch: int) -> None:
+    """A profiler trace of `trace_steps` steady decode steps at `batch` (its prefill outside)."""
+    import jax
+    ps = prompts(np.random.default_rng(7), batch, p["prompt_len"], cfg["vocab_size"])
+    where = tempfile.mkdtemp(prefix="jaxkv-trace-")
+    most = llm.llm_engine.max_model_len - p["prompt_len"]
+    steady_decode(llm.llm_engine, ps, p["trace_steps"], "t", most,
+                  lambda: jax.profiler.trace(where, create_perfetto_trace=True))
+    rows.add(stage="trace", batch=batch, decode_steps=p["trace_steps"], **gpu_idle(where))
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def offline_engine(folder: str, p: dict, rows: Rows, backend: str):
+    """The offline workload's engine, built cold (default token buckets); its warmup row."""
+    from jaxkv import LLM
+    t0 = time.perf_counter()
+    buckets = ({"token_buckets": p["token_buckets"], "max_num_batched_tokens": p["token_buckets"][-1]}
+               if p["token_buckets"] else {})
+    llm = LLM(model=folder, load_format="dummy", attention_backend=backend,
+              max_model_len=p["max_model_len"], max_num_seqs=p["max_num_seqs"],
+              kv_cache_memory_bytes=p["kv"], **buckets)
+    rows.add(stage="warmup", seconds=round(time.perf_counter() - t0, 1),
+             programs=llm.stats().num_compilations,
+             token_buckets=list(llm.stats().token_buckets))
+    return llm
+
+
+def offline_row(llm, cfg: dict, p: dict, rows: Rows, lengths: tuple) -> None:
+    """`lengths`: (shortest prompt, longest prompt, longest output; shortest output = shortest
+    prompt)."""
+    from jaxkv import SamplingParams
+    rng = np.random.default_rng(11)
+    lo, hi, out_hi = lengths
+    n = p["offline_requests"]
+    ps = [{"prompt_token_ids": rng.integers(3, cfg["vocab_size"], int(k)).tolist()}
+          for k in rng.integers(lo, hi + 1, n)]
+    sps = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(k))
+           for k in rng.integers(lo, out_hi + 1, n)]
+    t0 = time.perf_counter()
+    outs = llm.generate(ps, sps, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_toks = sum(len(x["prompt_token_ids"]) for x in ps)
+    rows.add(stage="offline", requests=n, seconds=round(dt, 2),
+             output_tok_per_s=round(out_toks / dt, 1), total_tok_per_s=round((in_toks + out_toks) / dt, 1),
+             preemptions=llm.stats().num_preemptions)
+
+
+async def _serve(alm, ps, sp, rate: float) -> tuple[list, list]:
+    """TTFT and ITL of each request from the engine's own stamps (RequestMetrics: arrival,
+    first token, each output's last token), so the event loop's delivery does not count."""
+    async def one(i, x):
+        await asyncio.sleep(i / rate)
+        stamps, m = [], None
+        async for out in alm.generate(x, sp, f"s{i}"):
+            m = out.metrics
+            stamps.append(m.last_token_time)
+        return m.first_token_time - m.arrival_time, list(np.diff(stamps))
+    res = await asyncio.gather(*(one(i, x) for i, x in enumerate(ps)))
+    return [r[0] for r in res], [g for r in res for g in r[1]]
+
+
+def serving_row(llm, cfg: dict, p: dict, rows: Rows) -> None:
+    """Requests at a fixed rate through AsyncLLM (one token per output, DELTA streams)."""
+    from jaxkv import SamplingParams
+    from jaxkv.engine.async_llm import AsyncLLM
+    from jaxkv.sampling.params import RequestOutputKind
+    alm = AsyncLLM(llm.llm_engine, log_stats=False)
+    try:
+        ps = prompts(np.random.default_rng(13), p["serving_requests"], p["prompt_len"], cfg["vocab_size"])
+        sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=p["decode_tokens"],
+                            output_kind=RequestOutputKind.DELTA)
+        ttft, itl = asyncio.run(_serve(alm, ps, sp, p["serving_rate"]))
+    finally:
+        alm.shutdown()
+    rows.add(stage="serving", requests=len(ps), rate_per_s=p["serving_rate"],
+             ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+             itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99))
+
+
+SMOKE = {"kv_int8": dict(kv_cache_dtype="int8"), "kv_fp8": dict(kv_cache_dtype="fp8"),
+         "ngram_spec": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+         "prefix_hits": dict(enable_prefix_caching=True)}
+
+
+def smoke_rows(folder: str, cfg: dict, p: dict, rows: Rows, backend: str) -> None:
+    """Each path of SMOKE (and structured outputs with llguidance) on small token buckets:
+    the share of sequences whose greedy tokens equal the plain engine's (int8 and fp8 pools
+    round the K/V, so theirs may part at near-ties; the others must be 1.0)."""
+    import importlib.util
+
+    from jaxkv import LLM, SamplingParams
+    rng = np.random.default_rng(17)
+    shared = rng.integers(3, cfg["vocab_size"], 32).tolist()  # a common prefix: prefix hits
+    ps = [{"prompt_token_ids": shared + rng.integers(3, cfg["vocab_size"], k).tolist()} for k in (3, 9, 17)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=folder, load_format="dummy", attention_backend=backend, max_model_len=128,
+              max_num_seqs=4, token_buckets=(8, 64), max_num_batched_tokens=64,
+              kv_cache_memory_bytes="256MiB", enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(ps, sp, use_tqdm=False)]
+    for name, extra in SMOKE.items():
+        try:
+            llm = LLM(**{**kw, **extra})
+            got = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            rows.add(stage="smoke", path=name, ok=True, hits=llm.stats().prefix_cache_hits,
+                     tokens_equal=round(sum(a == b for a, b in zip(got, want)) / len(want), 3))
+        except Exception as e:  # noqa: BLE001 - a path that fails is a row, the rest still run
+            rows.add(stage="smoke", path=name, ok=False, error=f"{type(e).__name__}: {e}"[:300])
+    if importlib.util.find_spec("llguidance") is None:
+        rows.add(stage="smoke", path="structured_outputs", ok=None, error="llguidance not installed")
+        return
+    from jaxkv.structured_outputs.params import StructuredOutputsParams
+    choice = ["<t5> <t6>", "<t9>"]
+    so = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choice))
+    try:
+        text = LLM(**kw).generate(ps[:1], so, use_tqdm=False)[0].outputs[0].text
+        rows.add(stage="smoke", path="structured_outputs", ok=text in choice, text=text)
+    except Exception as e:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read
+        rows.add(stage="smoke", path="structured_outputs", ok=False, error=f"{type(e).__name__}: {e}"[:300])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "configs", "llama3-8b"))
+    ap.add_argument("--stages", nargs="+", default=["decode", "trace", "offline", "serving", "smoke"])
+    ap.add_argument("--cpu-dry-run", action="store_true", help="a tiny model on the CPU (pallas interpreted)")
+    ap.add_argument("--batches", type=int, nargs="+", help="the decode stage's batch sizes")
+    ap.add_argument("--decode-tokens", type=int, help="the decode stage's N")
+    ap.add_argument("--attention-backend", help="default: auto (pallas on the dry run)")
+    a = ap.parse_args(argv)
+    p, backend = (DRY, "pallas") if a.cpu_dry_run else (FULL, "auto")
+    p = {**p, **{k: v for k, v in (("batches", a.batches), ("decode_tokens", a.decode_tokens))
+                 if v is not None}}
+    backend = a.attention_backend or backend
+    os.environ.setdefault("JAXKV_COMPILATION_CACHE", "0")  # the warmup row: a cold start
+    if a.cpu_dry_run:
+        cfg = TINY_CONFIG
+    else:
+        with open(os.path.join(a.config, "config.json")) as f:
+            cfg = json.load(f)
+    lengths = (4, 32, 24) if a.cpu_dry_run else (32, 512, 384)
+    rows, tmp = Rows("5_gpu_engine"), tempfile.mkdtemp(prefix="jaxkv-gpu-engine-")
+    try:
+        folder = model_folder(cfg, tmp)
+        traced = 128 if 128 in p["batches"] else p["batches"][-1]
+        for b in p["batches"] if "decode" in a.stages else ():
+            llm = None  # the last engine's memory goes before the next is built
+            llm = decode_row(folder, cfg, b, p, rows, backend)
+            if "trace" in a.stages and b == traced:
+                trace_row(llm, cfg, p, rows, b)
+        llm = None
+        if "offline" in a.stages or "serving" in a.stages:
+            llm = offline_engine(folder, p, rows, backend)
+            if "offline" in a.stages:
+                offline_row(llm, cfg, p, rows, lengths)
+            if "serving" in a.stages:
+                serving_row(llm, cfg, p, rows)
+        llm = None
+        if "smoke" in a.stages:
+            smoke_rows(folder, cfg, p, rows, backend)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

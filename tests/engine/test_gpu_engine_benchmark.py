@@ -1,0 +1,59 @@
+"""benchmarks/gpu_engine.py --cpu-dry-run: every stage of the GPU engine benchmark runs on a
+tiny model on the CPU (the Pallas kernels interpreted) and writes its rows, so the script a
+lent H200 runs has run here first."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_dry_run_writes_every_stage(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_engine", "--cpu-dry-run"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu",
+                            "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "5_gpu_engine.jsonl").read_text().splitlines()]
+    by = {}
+    for r in rows:
+        by.setdefault(r["stage"], []).append(r)
+    assert [r["batch"] for r in by["decode"]] == [1, 4]
+    for r in by["decode"]:
+        assert r["engine_ms_per_step"] > 0 and r["device_step_ms"] > 0 and r["dispatch_ms"] > 0
+        assert 0 <= r["steps_dispatched_ahead"] <= 1
+    assert by["trace"][0]["gpu_idle_share"] is None  # no GPU events on the CPU
+    assert by["warmup"][0]["programs"] > 0 and by["offline"][0]["output_tok_per_s"] > 0
+    s = by["serving"][0]
+    assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"] and 0 <= s["itl_p50_s"] <= s["itl_p99_s"]
+    smoke = {r["path"]: r for r in by["smoke"]}
+    for path in ("kv_int8", "kv_fp8", "ngram_spec", "prefix_hits"):
+        assert smoke[path]["ok"], smoke[path]
+    assert smoke["ngram_spec"]["tokens_equal"] == smoke["prefix_hits"]["tokens_equal"] == 1.0
+    assert smoke["prefix_hits"]["hits"] > 0 and "structured_outputs" in smoke
+
+
+def test_gpu_idle_time_from_a_trace(tmp_path):
+    """Two steps of two kernels each on a GPU process, 5 ms apart: busy, idle, the idle share
+    and kernels per step come from the Chrome trace's events; a CPU-only trace gives Nones."""
+    import gzip
+
+    from benchmarks.gpu_engine import gpu_idle
+    meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+    kernels = [{"ph": "X", "pid": 7, "ts": ts, "dur": 1000, "name": "k"}
+               for ts in (0, 1000, 7000, 8000)]
+    host = [{"ph": "X", "pid": 1, "ts": 0, "dur": 9000, "name": "step"}]
+    run = tmp_path / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + kernels + host}, f)
+    assert gpu_idle(str(tmp_path)) == {"gpu_busy_ms": 4.0, "gpu_idle_ms": 5.0,
+                                       "gpu_idle_share": 0.5556, "kernels_per_step": 2}
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta[1:] + host}, f)
+    assert gpu_idle(str(tmp_path))["gpu_idle_share"] is None
