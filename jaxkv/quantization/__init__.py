@@ -53,6 +53,9 @@ class QuantSpec:
     zero_offset: int = 0  # GPTQ's original format stores each zero point minus one
     embedding_bits: int | None = None  # gguf: the embedding kept quantized in this many bits
     symmetric: bool = False  # pack-quantized: no zero points stored (each is 8 on the nibbles)
+    # 4-bit layers on one GPU: steps of few rows multiply through pallas_kernels.int4_matmul
+    # (the packed weights read once, dequantized in the kernel) instead of widening them first
+    int4_kernel: bool = False
 
     @property
     def name(self) -> str:

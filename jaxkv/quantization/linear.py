@@ -101,7 +101,27 @@ def apply(x: jax.Array, w: dict, spec: QuantSpec, dtype) -> jax.Array:
         return (y * w["scale"]).astype(dtype)
     if "perm" in w:
         x = jnp.take(x, w["perm"], axis=-1)
+    if _int4_kernel_fits(x, w, spec):
+        from pallas_kernels.int4_matmul import int4_matmul
+        n = w["qweight"].shape[1]
+        return int4_matmul(x.astype(dtype), w["qweight"], w["scales"], w["zeros"],
+                           zero_offset=spec.zero_offset, block_n=64 if n % 64 == 0 else 16,
+                           interpret=jax.default_backend() == "cpu")
     return x.astype(dtype) @ dequantize(w, spec, dtype)
+
+
+INT4_KERNEL_ROWS = 64  # above: the weights widened once and one dense matmul (prefill)
+
+
+def _int4_kernel_fits(x, w: dict, spec: QuantSpec) -> bool:
+    """Whether pallas_kernels.int4_matmul takes this matmul: asked for (spec.int4_kernel),
+    few rows, 4-bit values with zero points, groups of 32-256 inputs (a power of two: each
+    group's half is one dot operand), outputs a multiple of 16."""
+    if not spec.int4_kernel or spec.bits != 4 or "zeros" not in w or x.shape[0] > INT4_KERNEL_ROWS:
+        return False
+    k, n = x.shape[-1], w["qweight"].shape[1]
+    group = k // w["scales"].shape[0]
+    return 32 <= group <= 256 and group & (group - 1) == 0 and n % 16 == 0
 
 
 def embedding_spec(spec: QuantSpec) -> QuantSpec:
