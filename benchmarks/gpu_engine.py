@@ -2,6 +2,8 @@
 
   python -m benchmarks.gpu_engine                  # Llama-3-8B shapes, random bf16 weights
   python -m benchmarks.gpu_engine --cpu-dry-run    # a tiny model on the CPU (a test runs this)
+  python -m benchmarks.gpu_engine --config benchmarks/configs/llama3-8b-narrow --stages decode \
+      --attention-backend cpu --prompt-len 16 --kv-cache-memory-bytes 512MiB   # host work, CPU
 
 Rows go to <dir>/5_gpu_engine.jsonl as measured (benchmarks/result_rows.py: $OUT, else
 benchmarks/results/gpu/), one per measurement, "stage" naming it:
@@ -296,10 +298,13 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", help="the decode stage's batch sizes")
     ap.add_argument("--decode-tokens", type=int, help="the decode stage's N")
     ap.add_argument("--attention-backend", help="default: auto (pallas on the dry run)")
+    ap.add_argument("--prompt-len", type=int, help="the decode stage's prompt length")
+    ap.add_argument("--kv-cache-memory-bytes", help="each engine's KV pool (default 24GiB)")
     a = ap.parse_args(argv)
     p, backend = (DRY, "pallas") if a.cpu_dry_run else (FULL, "auto")
-    p = {**p, **{k: v for k, v in (("batches", a.batches), ("decode_tokens", a.decode_tokens))
-                 if v is not None}}
+    given = (("batches", a.batches), ("decode_tokens", a.decode_tokens),
+             ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes))
+    p = {**p, **{k: v for k, v in given if v is not None}}
     backend = a.attention_backend or backend
     os.environ.setdefault("JAXKV_COMPILATION_CACHE", "0")  # the warmup row: a cold start
     if a.cpu_dry_run:
