@@ -129,6 +129,12 @@ class StructuredOutputManager:
     def _ll_words(self) -> int:
         return -(-self.ll_tokenizer.vocab_size // 32)
 
+    def attach_bitmasks(self, rows: list) -> None:
+        """rows: (ScheduledRequest, its GrammarState) pairs; each gets its allowed-token row
+        as `grammar_bitmask`."""
+        for (s, _), m in zip(rows, self.fill_bitmasks([g for _, g in rows])):
+            s.grammar_bitmask = m
+
     def fill_bitmasks(self, states: list[GrammarState]) -> np.ndarray:
         """int32 [len(states), ceil(vocab_size / 32)]: row i allows the tokens state i's
         matcher allows next (all bits set for a state whose build failed)."""

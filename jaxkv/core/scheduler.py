@@ -19,9 +19,10 @@ failure also lost the pool's contents, `drop_all_kv` sends every request back to
 Speculative decoding (jaxkv.core.spec_decode): once every running and newly admitted request has
 its tokens, each decoding one gets its n-gram draft from the budget left over, while free
 blocks last (a draft never preempts anyone and never delays a prompt: a short budget drops
-drafts first). After the step num_computed_tokens
-advances over the accepted tokens only; blocks holding nothing but rejected positions are
-freed, and a draft never enters a hashed block (only a request's own tokens are hashed).
+drafts first). After the step num_computed_tokens advances over the accepted tokens only;
+blocks holding nothing but rejected positions are freed, and a draft never enters a hashed
+block (only a request's own tokens are hashed). With async scheduling a sampling request gets
+a lookahead slot past its tokens when one is free (`_allocate`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ class Scheduler:
         if self.proposer and budget > 0 and (limit is None or len(self.running) < limit):
             drafts = self._propose_drafts(chosen, budget)
         scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
-        self._fill_grammar_bitmasks(chosen, scheduled)
+        rows = [(s, req.grammar) for (req, _), s in zip(chosen, scheduled)
+                if s.sample and req.grammar is not None and req.grammar.matcher is not None]
+        if rows:  # each constrained sequence that samples gets its allowed-token row
+            self.structured_output_manager.attach_bitmasks(rows)
         return SchedulerOutput(scheduled, preempted, self.kv.transfers, self.num_waiting,
                                self.max_num_seqs - len(self.running))
 
@@ -159,24 +163,13 @@ class Scheduler:
         return budget
 
     def _allocate(self, req: Request, n: int, hits=(), loads=()) -> bool:
-        """allocate_slots for `n` tokens of `req`, plus num_lookahead_tokens when it samples
-        this step and the pool has them free (never a preemption for them), within
-        max_model_len."""
-        extra = self.config.num_lookahead_tokens
-        if extra and req.num_computed_tokens + n == req.num_tokens < self.config.max_model_len:
-            extra = min(extra, self.config.max_model_len - req.num_tokens)
-            if self.kv.allocate_slots(req, n + extra, hits, loads):
-                return True
-        return self.kv.allocate_slots(req, n, hits, loads)
-
-    def _fill_grammar_bitmasks(self, chosen, scheduled) -> None:
-        """Each constrained sequence that samples this step gets its allowed-token row."""
-        rows = [(s, req.grammar) for (req, _), s in zip(chosen, scheduled)
-                if s.sample and req.grammar is not None and req.grammar.matcher is not None]
-        if rows:
-            masks = self.structured_output_manager.fill_bitmasks([g for _, g in rows])
-            for (s, _), m in zip(rows, masks):
-                s.grammar_bitmask = m
+        """allocate_slots for `n` tokens of `req`, plus num_lookahead_tokens (within
+        max_model_len) when it samples this step and the pool has them free: never a
+        preemption for them."""
+        extra = min(self.config.num_lookahead_tokens, self.config.max_model_len - req.num_tokens)
+        return (extra > 0 and req.num_computed_tokens + n == req.num_tokens
+                and self.kv.allocate_slots(req, n + extra, hits, loads)) \
+            or self.kv.allocate_slots(req, n, hits, loads)
 
     def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft

@@ -244,6 +244,20 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _as_hf(w: np.ndarray, gguf_name: str, name: str, gemma: bool, data) -> dict:
+    """One dequantized GGUF tensor as transformers holds it: float32, Gemma's norms as w (the
+    file holds 1 + w: exact back), Qwen2-MoE's shared-expert gate [1, hidden] (the file's is
+    a vector), stacked experts [E, out, in] split into one tensor each ("{e}" in `name`).
+    F32/F16 views of the file (`data`) are copied, so no array keeps the file mapped."""
+    if gemma and gguf_name.endswith("norm.weight"):
+        w = np.asarray(w, np.float32) - np.float32(1)
+    if name.endswith("shared_expert_gate.weight") and w.ndim == 1:
+        w = w[None, :]
+    if "{e}" in name:
+        return {name.format(e=e): np.array(w[e], dtype=np.float32) for e in range(w.shape[0])}
+    return {name: np.array(w, dtype=np.float32, copy=True if np.may_share_memory(w, data) else None)}
+
+
 def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
               keep_quantized: bool = False) -> Checkpoint:
     """Load a GGUF file: config, every tensor float32 [out, in] under its HF name, tokenizer.
@@ -289,16 +303,7 @@ def load_gguf(path: str | os.PathLike, *, with_tokenizer: bool = True,
         w = dequantize(raw.reshape(*shape[:-1], row_bytes), kind).reshape(shape)
         if unpermute:
             w = unpermute(w)
-        if gemma and gguf_name.endswith("norm.weight"):  # llama.cpp stored 1 + w (exact back)
-            w = np.asarray(w, np.float32) - np.float32(1)
-        if name.endswith("shared_expert_gate.weight") and w.ndim == 1:  # [hidden] -> [1, hidden]
-            w = w[None, :]
-        if "{e}" in name:  # stacked experts [E, out, in]: one HF tensor each
-            for e in range(w.shape[0]):
-                tensors[name.format(e=e)] = np.array(w[e], dtype=np.float32)
-            continue
-        # F32/F16 views of the file are copied so no array keeps the file mapped.
-        tensors[name] = np.array(w, dtype=np.float32, copy=True if np.may_share_memory(w, data) else None)
+        tensors.update(_as_hf(w, gguf_name, name, gemma, data))
     del data
     tokenizer = None
     if with_tokenizer:
