@@ -65,3 +65,19 @@ def greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def assert_gguf_gives_the_folders_tokens(folder, gguf_file, vocab: int, what: str) -> None:
+    """A GGUF file written from the Hugging Face folder `folder` (whose tokenizer both use)
+    gives the folder's 12 greedy tokens on 3 random prompts."""
+    from jaxkv import LLM, SamplingParams
+
+    kw = dict(tokenizer=str(folder), max_model_len=128, max_num_batched_tokens=64,
+              token_buckets=(8, 64), kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(3, vocab, n).tolist()} for n in (5, 17, 30)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = LLM(model=str(gguf_file), **kw).generate(prompts, sp, use_tqdm=False)
+    b = LLM(model=str(folder), **kw).generate(prompts, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert len(x.outputs[0].token_ids) == 12 and x.outputs[0].token_ids == y.outputs[0].token_ids, what

@@ -21,7 +21,8 @@ from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.models.params import params_from_tensors
-from tests.models.hf_compare import assert_generate_with_every_feature_matches, assert_logits_match
+from tests.models.hf_compare import (assert_generate_with_every_feature_matches,
+                                      assert_gguf_gives_the_folders_tokens, assert_logits_match)
 
 COMMON = dict(vocab_size=211, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -183,7 +184,6 @@ def write_moe_gguf(hf, name, folder, path):
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_a_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
-    from jaxkv import LLM, SamplingParams
     hf = make_moe(name, tmp_path / "hf", mlp_only_layers=[])  # llama.cpp's qwen3moe: all MoE
     write_moe_gguf(hf, name, tmp_path / "hf", tmp_path / "m.gguf")
     from jaxkv.loader.gguf import load_gguf
@@ -193,16 +193,7 @@ def test_a_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
     assert set(ours) == set(theirs)  # every expert of every layer, q/k rows un-permuted
     for k, v in theirs.items():
         assert np.array_equal(ours[k], np.asarray(v, np.float32)), k
-    kw = dict(tokenizer=str(tmp_path / "hf"), max_model_len=128, max_num_batched_tokens=64,
-              token_buckets=(8, 64), kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
-    rng = np.random.default_rng(2)
-    prompts = [{"prompt_token_ids": rng.integers(3, COMMON["vocab_size"], n).tolist()} for n in (5, 17, 30)]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    a = LLM(model=str(tmp_path / "m.gguf"), **kw).generate(prompts, sp, use_tqdm=False)
-    assert a[0].outputs[0].token_ids  # the GGUF's config: the right family
-    b = LLM(model=str(tmp_path / "hf"), **kw).generate(prompts, sp, use_tqdm=False)
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids, name
+    assert_gguf_gives_the_folders_tokens(tmp_path / "hf", tmp_path / "m.gguf", COMMON["vocab_size"], name)
 
 
 def test_missing_moe_keys_take_transformers_defaults():

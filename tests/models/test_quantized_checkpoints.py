@@ -222,6 +222,17 @@ def _save(tensors, fp8, file):
     save_file(out, str(file))
 
 
+def assert_greedy_tokens(llm, hf, what: str) -> None:
+    """The engine's 12 greedy tokens on 4 random prompts equal transformers'."""
+    from jaxkv import SamplingParams
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 9, 17, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == greedy_reference(hf, p, 12), what
+
+
 @pytest.fixture(scope="module", params=list(QUANT_CONFIGS))
 def quantized(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param.replace("-", "_").replace(":", "_"))
@@ -243,7 +254,7 @@ def test_logits_equal_the_dequantized_float_model(quantized):
 
 
 def test_greedy_tokens_equal_transformers(quantized):
-    from jaxkv import LLM, SamplingParams
+    from jaxkv import LLM
 
     fmt, hf, path = quantized
     llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=64, token_buckets=(8, 64),
@@ -252,12 +263,7 @@ def test_greedy_tokens_equal_transformers(quantized):
     assert s.quantization == fmt.split(":")[0]
     float_bytes = sum(p.numel() * 4 for p in hf.parameters())
     assert s.weights_bytes < float_bytes
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 9, 17, 30)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == greedy_reference(hf, p, 12), fmt
+    assert_greedy_tokens(llm, hf, fmt)
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_CONFIGS))
@@ -266,7 +272,7 @@ def test_a_quantized_mixture_of_experts(fmt, tmp_path):
     and the shared expert's gate float) in each format: logits within 1e-3 of transformers on
     the dequantized weights, its greedy tokens, and the weights' bytes as jaxkv plan counts
     them."""
-    from jaxkv import LLM, SamplingParams
+    from jaxkv import LLM
     from jaxkv.quantization import weights_bytes
     hf = _write_moe(fmt, tmp_path)
     ckpt = load_hf_dir(str(tmp_path))
@@ -282,9 +288,4 @@ def test_a_quantized_mixture_of_experts(fmt, tmp_path):
               token_buckets=(8, 64), kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
     s = llm.stats()
     assert s.quantization == fmt.split(":")[0] and s.weights_bytes == weights_bytes(mc, 4, spec)
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 9, 17, 30)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == greedy_reference(hf, p, 12), fmt
+    assert_greedy_tokens(llm, hf, fmt)

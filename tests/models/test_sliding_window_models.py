@@ -21,7 +21,8 @@ from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
 from jaxkv.models.params import params_from_tensors
-from tests.models.hf_compare import (assert_generate_with_every_feature_matches, assert_logits_match,
+from tests.models.hf_compare import (assert_generate_with_every_feature_matches,
+                                      assert_gguf_gives_the_folders_tokens, assert_logits_match,
                                       greedy_reference)
 
 COMMON = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -207,7 +208,7 @@ def test_a_gemma_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
     1 + w within float32 rounding) and give the folder's greedy tokens."""
     import numpy as np
 
-    from jaxkv import LLM, SamplingParams
+    from jaxkv import LLM
     from jaxkv.loader.gguf import load_gguf
     from jaxkv.loader.hf import load_hf_tensors
     import dataclasses
@@ -223,15 +224,7 @@ def test_a_gemma_gguf_file_gives_the_folders_tensors_and_tokens(name, tmp_path):
     assert set(g.tensors) == set(theirs)
     for k, v in theirs.items():
         assert np.allclose(g.tensors[k], np.asarray(v, np.float32), rtol=0, atol=1e-6), k
-    kw = dict(tokenizer=str(tmp_path / "hf"), max_model_len=128, max_num_batched_tokens=64,
-              token_buckets=(8, 64), kv_cache_memory_bytes=1 << 20, max_num_seqs=8)
-    rng = np.random.default_rng(2)
-    prompts = [{"prompt_token_ids": rng.integers(3, COMMON["vocab_size"], n).tolist()} for n in (5, 17, 30)]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    a = LLM(model=str(tmp_path / "m.gguf"), **kw).generate(prompts, sp, use_tqdm=False)
-    b = LLM(model=str(tmp_path / "hf"), **kw).generate(prompts, sp, use_tqdm=False)
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids, name
+    assert_gguf_gives_the_folders_tokens(tmp_path / "hf", tmp_path / "m.gguf", COMMON["vocab_size"], name)
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model None is not supported.*pass tokenizer="):
         LLM(model=str(tmp_path / "m.gguf"))  # no tokenizer of its own: one line says what to do
 
