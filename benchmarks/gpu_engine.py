@@ -6,26 +6,30 @@
       --attention-backend cpu --prompt-len 16 --kv-cache-memory-bytes 512MiB   # host work, CPU
 
 Rows go to <dir>/5_gpu_engine.jsonl as measured (benchmarks/result_rows.py: $OUT, else
-benchmarks/results/gpu/), one per measurement, "stage" naming it:
-  decode   per batch B, an engine whose only token bucket is B, B requests of 128-token
+benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
+  decode   one engine with a token bucket per batch size B; per B, B requests of 128-token
            prompts, once all are past their prefill (a steady batch): engine ms/step and tok/s
            over N engine steps (LLMEngine.step, async scheduling on), the share of those steps
            that used a step dispatched ahead (stats().num_async_steps_used), the engine
-           thread's CPU time per step (stats().host_cpu_seconds), the device-only
-           step (runner.forward on one prebuilt decode StepInput, `reps` calls back to back,
-           one block at the end), and the host's dispatch per call (the time to enqueue them).
-  trace    a jax.profiler trace of 32 steady decode steps at batch 128 (the largest batch
-           below it on a dry run): GPU busy and idle time, the idle share, kernels per step
-           (None without GPU events: the CPU).
-  warmup   the offline engine's start (default token buckets; cold: the script turns the
-           compilation cache off unless JAXKV_COMPILATION_CACHE says otherwise).
+           thread's CPU time per step (stats().host_cpu_seconds), the device-only step
+           (runner.forward, the step program without the LM head and the sampler, as the
+           2026-12-04 probe timed it: one prebuilt decode StepInput, `reps` calls back to
+           back, one block at the end), and the host's dispatch per call.
+  trace    on that engine, a jax.profiler trace of 32 steady decode steps at batch 128 (the
+           largest batch below it on a dry run): GPU busy time (the union of the kernels'
+           intervals), idle time and share, kernels per step (None without GPU events).
+  smoke    paths not run on a GPU before, on the model's first 2 layers and small token
+           buckets, against the plain engine's greedy tokens: int8 and fp8 KV pools, n-gram
+           speculative decoding, prefix hits, and a structured-output request when llguidance
+           is installed (the benchmark's word-level tokenizer is one it cannot read: that row
+           reports the error).
+  warmup   the offline engine's start (default token buckets). The script turns the
+           compilation cache off unless JAXKV_COMPILATION_CACHE says otherwise, but the
+           engines before it compiled in the same process: an upper bound of cold it is not.
   offline  that engine on FULL["offline_requests"] requests (prompts of 32-512 random
            tokens, outputs of 32-384; issue 38's workload has 1,000): output and total tok/s.
   serving  the same engine under AsyncLLM, requests arriving at a fixed rate: TTFT and ITL
            p50 / p99 (the engine's own timestamps, no HTTP: the GPU machine has no FastAPI).
-  smoke    paths not run on a GPU before, each on small token buckets against the plain
-           engine's greedy tokens: int8 and fp8 KV pools, n-gram speculative decoding, prefix
-           hits, and a structured-output request when llguidance is installed.
 Weights are random (load_format="dummy"); the folder gets a word-level tokenizer
 (benchmarks/e2e_decode.model_folder). Rows hold the device name; compare rows of one run.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import glob
 import gzip
 import json
@@ -118,21 +123,26 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
     return dt, used, host_ms
 
 
-def decode_row(folder: str, cfg: dict, b: int, p: dict, rows: Rows, backend: str):
-    """One batch size's row; returns its engine (the trace stage reuses the last one)."""
-    import jax
-
+def decode_engine(folder: str, p: dict, backend: str):
+    """One engine for every batch of the decode stage: a token bucket per batch size, and a
+    budget that prefills a batch in a few steps (with a budget of B, as the 2026-12-04 probe
+    had, the last prompt starts hundreds of steps after the first and the early ones finish
+    before the batch is ever steady). Returns (engine, tokens each request may write)."""
     from jaxkv import LLM
-    n = p["decode_tokens"]
-    # A budget that prefills the batch in a few steps (with a budget of B, as the 2026-12-04
-    # probe had, the last prompt starts hundreds of steps after the first and the early ones
-    # finish before the batch is ever steady); decode steps pad to the bucket B.
+    b = max(p["batches"])
     budget = max(b, min(b * p["prompt_len"], 4096))
-    most = n + 2 * -(-b * p["prompt_len"] // budget) + 8  # tokens: none finishes while timed
+    most = p["decode_tokens"] + 2 * -(-b * p["prompt_len"] // budget) + 8  # none ends while timed
     llm = LLM(model=folder, load_format="dummy", attention_backend=backend,
               max_model_len=p["prompt_len"] + most, max_num_seqs=b, max_num_batched_tokens=budget,
-              token_buckets=tuple(sorted({b, budget})), enable_prefix_caching=False,
+              token_buckets=tuple(sorted({*p["batches"], budget})), enable_prefix_caching=False,
               kv_cache_memory_bytes=p["kv"])
+    return llm, most
+
+
+def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows) -> None:
+    """Batch `b`'s row, on the decode stage's engine."""
+    import jax
+    n = p["decode_tokens"]
     ps = prompts(np.random.default_rng(b), b, p["prompt_len"], cfg["vocab_size"])
     steady_decode(llm.llm_engine, ps, 2, "warm", most)  # the sampler's programs compile here
     dt, used, host_ms = steady_decode(llm.llm_engine, ps, n, "run", most)
@@ -143,27 +153,31 @@ def decode_row(folder: str, cfg: dict, b: int, p: dict, rows: Rows, backend: str
              host_cpu_ms_per_step=round(host_ms, 3),
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), device=str(jax.devices()[0]))
-    return llm
 
 
-def gpu_idle(trace_dir: str) -> dict:
-    """GPU busy and idle ms, the idle share and kernels per step (steps split at gaps over
-    1 ms) from the Chrome trace jax.profiler wrote under `trace_dir`; Nones without GPU events."""
+def gpu_idle(trace_dir: str, steps: int) -> dict:
+    """GPU busy ms (the union of the kernels' intervals over every GPU stream), idle ms and
+    the idle share over the span from the first kernel to the last, and kernels per step
+    (`steps` engine steps traced), from the Chrome trace jax.profiler wrote under
+    `trace_dir`; Nones without GPU events (the CPU)."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*trace.json.gz"), recursive=True),
                    key=lambda f: "perfetto" not in f)  # perfetto_trace.json.gz first
+    none = {"gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_idle_share": None}
     if not files:
-        return {"gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_idle_share": None}
+        return none
     ev = json.load(gzip.open(files[0]))["traceEvents"]
     pids = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
             and "GPU" in str(e.get("args", {}).get("name"))}
     ks = sorted((e for e in ev if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
     if not ks:
-        return {"gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_idle_share": None}
-    busy, end, steps = 0.0, ks[0]["ts"], 1
+        return none
+    busy, lo, hi = 0.0, ks[0]["ts"], ks[0]["ts"]  # the union of [ts, ts + dur)
     for e in ks:
-        steps += e["ts"] - end > 1e3
-        busy, end = busy + e["dur"], max(end, e["ts"] + e["dur"])
-    span = end - ks[0]["ts"]
+        if e["ts"] > hi:
+            busy, lo = busy + hi - lo, e["ts"]
+        hi = max(hi, e["ts"] + e["dur"])
+    busy += hi - lo
+    span = hi - ks[0]["ts"]
     return {"gpu_busy_ms": round(busy / 1e3, 2), "gpu_idle_ms": round((span - busy) / 1e3, 2),
             "gpu_idle_share": round(1 - busy / span, 4), "kernels_per_step": len(ks) // steps}
 
@@ -176,7 +190,8 @@ def trace_row(llm, cfg: dict, p: dict, rows: Rows, batch: int) -> None:
     most = llm.llm_engine.max_model_len - p["prompt_len"]
     steady_decode(llm.llm_engine, ps, p["trace_steps"], "t", most,
                   lambda: jax.profiler.trace(where, create_perfetto_trace=True))
-    rows.add(stage="trace", batch=batch, decode_steps=p["trace_steps"], **gpu_idle(where))
+    rows.add(stage="trace", batch=batch, decode_steps=p["trace_steps"],
+             **gpu_idle(where, p["trace_steps"]))
     shutil.rmtree(where, ignore_errors=True)
 
 
@@ -254,7 +269,7 @@ SMOKE = {"kv_int8": dict(kv_cache_dtype="int8"), "kv_fp8": dict(kv_cache_dtype="
          "prefix_hits": dict(enable_prefix_caching=True)}
 
 
-def smoke_rows(folder: str, cfg: dict, p: dict, rows: Rows, backend: str) -> None:
+def smoke_rows(folder: str, cfg: dict, rows: Rows, backend: str) -> None:
     """Each path of SMOKE (and structured outputs with llguidance) on small token buckets:
     the share of sequences whose greedy tokens equal the plain engine's (int8 and fp8 pools
     round the K/V, so theirs may part at near-ties; the others must be 1.0)."""
@@ -275,6 +290,8 @@ def smoke_rows(folder: str, cfg: dict, p: dict, rows: Rows, backend: str) -> Non
             got = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
             rows.add(stage="smoke", path=name, ok=True, hits=llm.stats().prefix_cache_hits,
                      tokens_equal=round(sum(a == b for a, b in zip(got, want)) / len(want), 3))
+            llm = None
+            gc.collect()
         except Exception as e:  # noqa: BLE001 - a path that fails is a row, the rest still run
             rows.add(stage="smoke", path=name, ok=False, error=f"{type(e).__name__}: {e}"[:300])
     if importlib.util.find_spec("llguidance") is None:
@@ -316,22 +333,24 @@ def main(argv=None) -> None:
     rows, tmp = Rows("5_gpu_engine"), tempfile.mkdtemp(prefix="jaxkv-gpu-engine-")
     try:
         folder = model_folder(cfg, tmp)
-        traced = 128 if 128 in p["batches"] else p["batches"][-1]
-        for b in p["batches"] if "decode" in a.stages else ():
-            llm = None  # the last engine's memory goes before the next is built
-            llm = decode_row(folder, cfg, b, p, rows, backend)
-            if "trace" in a.stages and b == traced:
-                trace_row(llm, cfg, p, rows, b)
-        llm = None
+        if "decode" in a.stages:
+            llm, most = decode_engine(folder, p, backend)
+            for b in p["batches"]:
+                decode_row(llm, most, cfg, b, p, rows)
+                if "trace" in a.stages and b == (128 if 128 in p["batches"] else p["batches"][-1]):
+                    trace_row(llm, cfg, p, rows, b)
+            llm = None
+            gc.collect()  # LLM holds reference cycles: its device memory goes only now
+        if "smoke" in a.stages:  # on the model's first 2 layers: the paths, not the speed
+            small = {**cfg, "num_hidden_layers": min(2, cfg["num_hidden_layers"])}
+            smoke_rows(model_folder(small, os.path.join(tmp, "small")), small, rows, backend)
+            gc.collect()
         if "offline" in a.stages or "serving" in a.stages:
             llm = offline_engine(folder, p, rows, backend)
             if "offline" in a.stages:
                 offline_row(llm, cfg, p, rows, lengths)
             if "serving" in a.stages:
                 serving_row(llm, cfg, p, rows)
-        llm = None
-        if "smoke" in a.stages:
-            smoke_rows(folder, cfg, p, rows, backend)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -9,7 +9,8 @@ Algorithm: a weight-only quantized GEMM as in AWQ (Lin et al., MLSys 2024) and G
 (Frantar et al., ICLR 2023): every program computes a [M, block_n] tile of the output, looping
 over the groups of K; each step loads one group's packed rows [G / 2, block_n], widens the two
 nibbles to the activations' dtype with the group's zero point and scale applied, and
-accumulates two dots in float32. The nibble interleave is never undone: the activations come
+accumulates two dots in float32. When the output columns give fewer than MIN_PROGRAMS tiles,
+K is split too (split-K) and the float32 partial products are summed after the kernel. The nibble interleave is never undone: the activations come
 split into their even and odd inputs (x[:, 0::2] and x[:, 1::2], a strided slice outside the
 kernel), so the low nibbles multiply the even inputs and the high nibbles the odd ones. The
 weights are read from memory once, at half a byte each: a decode step's matmuls are a weight
@@ -30,13 +31,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 DEFAULT_BLOCK_N = 64
+MIN_PROGRAMS = 256
 
 
-def _kernel(xe_ref, xo_ref, q_ref, s_ref, z_ref, o_ref, *, group, zero_offset, num_groups):
+def _kernel(xe_ref, xo_ref, q_ref, s_ref, z_ref, o_ref, *, group, zero_offset, num_groups, per):
     # xe_ref, xo_ref: [Mp, K / 2] (even / odd inputs); q_ref: uint8 [K / 2, bn] (this tile's
-    # columns); s_ref float16, z_ref uint8: [K / G, bn]; o_ref: [Mp, bn]
+    # columns); s_ref float16, z_ref uint8: [K / G, bn]; o_ref: float32 [1, Mp, bn], the
+    # partial product of this program's groups (split-K: program j of axis 1 takes groups
+    # j * per .. (j + 1) * per - 1)
     half = group // 2
     dt = xe_ref.dtype
+    lo = pl.program_id(1) * per
+    hi = jnp.minimum(lo + per, num_groups)
 
     def body(g, acc):
         rows = pl.ds(g * half, half)
@@ -49,8 +55,8 @@ def _kernel(xe_ref, xo_ref, q_ref, s_ref, z_ref, o_ref, *, group, zero_offset, n
         acc += jnp.dot(xo_ref[:, rows], hi, preferred_element_type=jnp.float32)
         return acc
 
-    acc = jax.lax.fori_loop(0, num_groups, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape[1:], jnp.float32))
+    o_ref[0] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("zero_offset", "block_n", "num_warps",
@@ -63,18 +69,24 @@ def _int4_matmul(x, qweight, scales, zeros, *, zero_offset, block_n, num_warps, 
     mp = max(16, 1 << (m - 1).bit_length())  # a power of two, >= 16 rows (a dot's minimum)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     xe, xo = xp[:, 0::2], xp[:, 1::2]
+    # split-K: about MIN_PROGRAMS programs when the columns alone give fewer (an H200 has
+    # 132 SMs; a k_proj of 1,024 columns is 16 tiles)
+    splits = max(1, min(num_groups, MIN_PROGRAMS // (n // block_n)))
+    per = -(-num_groups // splits)
+    splits = -(-num_groups // per)
     kernel = functools.partial(_kernel, group=k // num_groups, zero_offset=zero_offset,
-                               num_groups=num_groups)
-    full = lambda rows: pl.BlockSpec((rows, k // 2), lambda j: (0, 0))  # noqa: E731
-    cols = lambda rows: pl.BlockSpec((rows, block_n), lambda j: (0, j))  # noqa: E731
-    out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype), grid=(n // block_n,),
+                               num_groups=num_groups, per=per)
+    full = lambda rows: pl.BlockSpec((rows, k // 2), lambda j, s: (0, 0))  # noqa: E731
+    cols = lambda rows: pl.BlockSpec((rows, block_n), lambda j, s: (0, j))  # noqa: E731
+    parts = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((splits, mp, n), jnp.float32),
+        grid=(n // block_n, splits),
         in_specs=[full(mp), full(mp), cols(k // 2), cols(num_groups), cols(num_groups)],
-        out_specs=cols(mp),
+        out_specs=pl.BlockSpec((1, mp, block_n), lambda j, s: (s, 0, j)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="int4_matmul",
     )(xe, xo, qweight, scales, zeros)
-    return out[:m]
+    return jnp.sum(parts, axis=0)[:m].astype(x.dtype)
 
 
 def int4_matmul(x, qweight, scales, zeros, *, zero_offset: int = 0, block_n: int = DEFAULT_BLOCK_N,

@@ -22,7 +22,7 @@ blocks last (a draft never preempts anyone and never delays a prompt: a short bu
 drafts first). After the step num_computed_tokens advances over the accepted tokens only;
 blocks holding nothing but rejected positions are freed, and a draft never enters a hashed
 block (only a request's own tokens are hashed). With async scheduling a sampling request gets
-a lookahead slot past its tokens when one is free (`_allocate`).
+a lookahead slot past its tokens when one is left free (`_allocate_lookahead`).
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ class Scheduler:
                 raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, "
                                    f"{self.kv.num_free_blocks} free blocks")
 
+        if self.config.num_lookahead_tokens:  # async scheduling's next position, when free
+            self._allocate_lookahead(chosen)
         # Drafts last: they take only the budget that every request's own tokens left over.
         drafts = {}
         limit = self.proposer.disable_by_batch_size if self.proposer else None
@@ -147,7 +149,7 @@ class Scheduler:
                 # compute the last position again so the request samples and goes on.
                 req.num_computed_tokens = req.num_tokens - 1
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._allocate(req, n):
+            while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -162,14 +164,14 @@ class Scheduler:
             i += 1
         return budget
 
-    def _allocate(self, req: Request, n: int, hits=(), loads=()) -> bool:
-        """allocate_slots for `n` tokens of `req`, plus num_lookahead_tokens (within
-        max_model_len) when it samples this step and the pool has them free: never a
-        preemption for them."""
-        extra = min(self.config.num_lookahead_tokens, self.config.max_model_len - req.num_tokens)
-        return (extra > 0 and req.num_computed_tokens + n == req.num_tokens
-                and self.kv.allocate_slots(req, n + extra, hits, loads)) \
-            or self.kv.allocate_slots(req, n, hits, loads)
+    def _allocate_lookahead(self, chosen) -> None:
+        """num_lookahead_tokens more slots (within max_model_len) for each chosen request that
+        samples and may go on, from blocks left free (a failed allocate_slots changes nothing)."""
+        for req, n in chosen:
+            extra = min(self.config.num_lookahead_tokens, self.config.max_model_len - req.num_tokens)
+            if (extra > 0 and req.num_computed_tokens + n == req.num_tokens
+                    and req.num_output_tokens + 1 < req.max_tokens):
+                self.kv.allocate_slots(req, n + extra)
 
     def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft
@@ -202,7 +204,7 @@ class Scheduler:
                 loads = self.kv.get_lower_tier_hits(req, len(hit_blocks))
             num_hit += len(loads) * self.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-            if not self._allocate(req, n, hit_blocks, loads):
+            if not self.kv.allocate_slots(req, n, hit_blocks, loads):
                 break
             self.kv.release_swapped(req.request_id)  # its swapped blocks are back (or lost)
             self.waiting.remove(req)

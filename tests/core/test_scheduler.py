@@ -150,3 +150,31 @@ def test_a_request_whose_grammar_compiles_is_passed_over_not_waited_for():
     (upd,) = sched.update_from_output(out, RunnerOutput({"slow": [9]}))
     assert upd.finished == RequestStatus.FINISHED_ERROR and upd.new_token_ids == []
     assert slow.output_token_ids == [] and kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_lookahead_slots_come_from_blocks_left_free():
+    """Async scheduling's lookahead slot (num_lookahead_tokens 1) is handed out after every
+    request has its own slots, and not for a last token: blocks of 4, 3 usable; B samples its
+    last token at step 2 and C needs the one free block for its own; nobody is preempted, as
+    without slots. A prefix hit's request gets its slot too."""
+    def go(look):
+        kv = KVCacheManager(4, 4, False)
+        s = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                          max_model_len=64, num_lookahead_tokens=look))
+        for rid, p, mt in (("A", 1, 1), ("B", 3, 2), ("C", 4, 2)):
+            s.add_request(Request(rid, list(range(1, p + 1)), SamplingParams(max_tokens=mt, temperature=0), None, 0))
+        while s.has_unfinished_requests():
+            out = s.schedule()
+            s.update_from_output(out, RunnerOutput({x.request_id: [11] for x in out.scheduled if x.sample}))
+        return s.num_preemptions
+    assert go(0) == go(1) == 0
+    kv = KVCacheManager(12, 4, True)
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                                      num_lookahead_tokens=1))
+    for rid in ("first", "again"):  # the same 8-token prompt: the second hits the first block
+        s.add_request(Request(rid, list(range(1, 9)), SamplingParams(max_tokens=4, temperature=0), None, 0))
+        out = s.schedule()
+        x = next(x for x in out.scheduled if x.request_id == rid)
+        assert x.sample and len(x.block_ids) == 3  # position 8 (the next token's) has its block
+        assert x.num_computed_tokens == (4 if rid == "again" else 0)
+        s.update_from_output(out, RunnerOutput({y.request_id: [11] for y in out.scheduled if y.sample}))

@@ -38,8 +38,9 @@ def test_the_dry_run_writes_every_stage(tmp_path):
 
 
 def test_gpu_idle_time_from_a_trace(tmp_path):
-    """Two steps of two kernels each on a GPU process, 5 ms apart: busy, idle, the idle share
-    and kernels per step come from the Chrome trace's events; a CPU-only trace gives Nones."""
+    """Two steps on a GPU process, 5 ms apart, one kernel overlapping another on a second
+    stream (counted once in the busy time): busy, idle, the idle share and kernels per step
+    come from the Chrome trace's events; a CPU-only trace gives Nones."""
     import gzip
 
     from benchmarks.gpu_engine import gpu_idle
@@ -47,13 +48,14 @@ def test_gpu_idle_time_from_a_trace(tmp_path):
             {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
     kernels = [{"ph": "X", "pid": 7, "ts": ts, "dur": 1000, "name": "k"}
                for ts in (0, 1000, 7000, 8000)]
+    kernels.append({"ph": "X", "pid": 7, "ts": 7500, "dur": 1000, "name": "other stream"})
     host = [{"ph": "X", "pid": 1, "ts": 0, "dur": 9000, "name": "step"}]
     run = tmp_path / "plugins" / "profile" / "run"
     run.mkdir(parents=True)
     with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": meta + kernels + host}, f)
-    assert gpu_idle(str(tmp_path)) == {"gpu_busy_ms": 4.0, "gpu_idle_ms": 5.0,
+    assert gpu_idle(str(tmp_path), 2) == {"gpu_busy_ms": 4.0, "gpu_idle_ms": 5.0,
                                        "gpu_idle_share": 0.5556, "kernels_per_step": 2}
     with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": meta[1:] + host}, f)
-    assert gpu_idle(str(tmp_path))["gpu_idle_share"] is None
+    assert gpu_idle(str(tmp_path), 2)["gpu_idle_share"] is None

@@ -105,3 +105,16 @@ def test_native_kernel_on_a_gpu():
     ref = x.astype(jnp.float32) @ qlinear.dequantize(w, spec, jnp.float32)
     got = int4_matmul(x, w["qweight"], w["scales"], w["zeros"]).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))) < 1e-2
+
+
+def test_split_k_with_an_uneven_last_share(monkeypatch):
+    """5 groups over 3 programs along K (2, 2 and 1 groups): the partial products sum to the
+    whole one."""
+    import pallas_kernels.int4_matmul as im
+    monkeypatch.setattr(im, "MIN_PROGRAMS", 6)  # 2 column tiles x 3 splits
+    rng = np.random.default_rng(5)
+    w = packed(rng, 160, 128, 32)
+    x = jnp.asarray(rng.standard_normal((3, 160)), jnp.float32)
+    ref = x @ qlinear.dequantize(w, QuantSpec("awq", bits=4, group_size=32), jnp.float32)
+    got = im.int4_matmul(x, w["qweight"], w["scales"], w["zeros"], block_n=64, interpret=True)
+    assert float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))) < 1e-5
