@@ -287,8 +287,7 @@ class KVCacheManager:
             return
         self._update_block_hashes(req)
         blocks = self.req_to_blocks[req.request_id]
-        for i in range(start, end):  # (a block freed behind the window before it was hashed:
-            #                            accepted draft tokens filled it and more: no entry)
+        for i in range(start, end):  # a block freed behind the window unhashed (drafts): none
             if blocks[i] and self.pool.cache_block(blocks[i], req.block_hashes[i]):
                 self._step_cached.append(blocks[i])
         self.num_cached_blocks[req.request_id] = end
