@@ -52,6 +52,7 @@ import numpy as np
 
 from benchmarks.e2e_decode import TINY_CONFIG, model_folder
 from benchmarks.result_rows import Rows
+from jaxkv.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 
 # The H200 run's sizes (gpu_check.sh gives the script 5 minutes; rows land as measured, so a
 # cut keeps the earlier stages) and the CPU dry run's (token_buckets None: the defaults).
@@ -335,18 +336,20 @@ def main(argv=None) -> None:
         folder = model_folder(cfg, tmp)
         if "decode" in a.stages:
             llm, most = decode_engine(folder, p, backend)
+            freeze_startup_heap()  # as `jaxkv serve` does (jaxkv/engine/gc_heap.py)
             for b in p["batches"]:
                 decode_row(llm, most, cfg, b, p, rows)
                 if "trace" in a.stages and b == (128 if 128 in p["batches"] else p["batches"][-1]):
                     trace_row(llm, cfg, p, rows, b)
             llm = None
-            gc.collect()  # LLM holds reference cycles: its device memory goes only now
+            release_frozen_heap()  # LLM holds reference cycles: its device memory goes only now
         if "smoke" in a.stages:  # on the model's first 2 layers: the paths, not the speed
             small = {**cfg, "num_hidden_layers": min(2, cfg["num_hidden_layers"])}
             smoke_rows(model_folder(small, os.path.join(tmp, "small")), small, rows, backend)
             gc.collect()
         if "offline" in a.stages or "serving" in a.stages:
             llm = offline_engine(folder, p, rows, backend)
+            freeze_startup_heap()
             if "offline" in a.stages:
                 offline_row(llm, cfg, p, rows, lengths)
             if "serving" in a.stages:

@@ -216,6 +216,41 @@ def wait_for_buckets(url: str, timeout: float = 600.0) -> None:
     print(f"token buckets still compiling after {timeout:.0f} s: timing anyway", flush=True)
 
 
+def engine_counters(url: str) -> dict:
+    """A jaxkv server's step counters from /metrics: steps, steps that used a step dispatched
+    ahead (0 without async scheduling), the engine thread's CPU seconds; {} for a server
+    without them."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    r = httpx.get(url + "/metrics", timeout=30)
+    if r.status_code != 200:
+        return {}
+    got = {}
+    for fam in text_string_to_metric_families(r.text):
+        for x in fam.samples:
+            if x.name == "jaxkv:engine_steps_total":
+                got["steps"] = x.value
+            elif x.name == "jaxkv:engine_host_cpu_seconds_total":
+                got["host_s"] = x.value
+            elif x.name == "jaxkv:async_steps_total" and x.labels.get("outcome") == "used":
+                got["ahead"] = x.value
+    if "steps" not in got or "host_s" not in got:
+        return {}
+    return {"ahead": 0.0, **got}  # (no async series: async scheduling is off)
+
+
+def engine_share(before: dict, after: dict) -> dict:
+    """steps_dispatched_ahead (the share of the level's engine steps that used a step
+    dispatched ahead: async scheduling, issue 38's >= 0.8 at concurrency 32) and the engine
+    thread's CPU ms per step, from two engine_counters readings."""
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    if not before or not after or steps <= 0:
+        return {}
+    return {"engine_steps": int(steps),
+            "steps_dispatched_ahead": round((after["ahead"] - before["ahead"]) / steps, 3),
+            "host_cpu_ms_per_step": round(1e3 * (after["host_s"] - before["host_s"]) / steps, 3)}
+
+
 def sweep(url, model, tok, args, levels, extra, label) -> dict:
     import httpx
     if model is None:
@@ -233,12 +268,16 @@ def sweep(url, model, tok, args, levels, extra, label) -> dict:
     for conc in levels:
         n = args.num_prompts or min(args.max_prompts, max(args.min_prompts, 2 * conc))
         prompts = make_prompts(tok, rng, n, args.input_len, prefix)
+        before = engine_counters(url)
         lv = asyncio.run(run_level(url, model, prompts, args, conc, extra, arrivals))
         lv["num_prompts"] = n
+        lv.update(engine_share(before, engine_counters(url)))
         out.append(lv)
         print(f"[{label}] concurrency {conc:>3}: {lv['completed']}/{n} ok in {lv['duration_s']:.1f} s, "
               f"{lv['output_throughput']:.1f} tok/s, median TTFT {lv['median_ttft_ms'] or 0:.0f} ms, "
-              f"median TPOT {lv['median_tpot_ms'] or 0:.0f} ms" + (f"  ({lv['first_error']})" if lv.get("first_error") else ""),
+              f"median TPOT {lv['median_tpot_ms'] or 0:.0f} ms"
+              + (f", steps dispatched ahead {lv['steps_dispatched_ahead']}" if "engine_steps" in lv else "")
+              + (f"  ({lv['first_error']})" if lv.get("first_error") else ""),
               flush=True)
     return {"levels": out, "knee_concurrency": knee(out, args.knee_factor), "model": model}
 

@@ -112,9 +112,11 @@ def _start_engine(ns, args, ctx, metrics, server, status: dict) -> None:
     """The engine's start on its own thread; then, as vLLM, a dead engine stops the server
     with status 1, so a supervisor can restart it."""
     from jaxkv.engine.async_llm import AsyncLLM
+    from jaxkv.engine.gc_heap import freeze_startup_heap
     try:
         ctx.engine = AsyncLLM.from_engine_args(args, log_stats=not ns.disable_log_stats,
                                                stat_loggers=[metrics])
+        logger.debug("gc: %d start-up objects frozen", freeze_startup_heap())
         logger.info("serving %s at http://%s:%d/v1 (ready)", ctx.model_name, ns.host, ns.port)
     except Exception as e:  # noqa: BLE001 - reported, then the server stops
         ctx.start_error = f"{type(e).__name__}: {e}"

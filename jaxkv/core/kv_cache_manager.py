@@ -200,6 +200,12 @@ class KVCacheManager:
         tokens of `new_computed_blocks`, a prefix hit taken now, and of `loads`, hits in the
         lower tiers copied into new blocks this step). Returns False, changing nothing, when
         the free queue cannot cover it (the scheduler then preempts)."""
+        if not new_computed_blocks and not loads and self.sliding_window is None:
+            blocks = self.req_to_blocks.get(req.request_id)  # the steady decode step's case:
+            total = req.num_computed_tokens + num_new_tokens  # room in the blocks it holds
+            if blocks is not None and total <= len(blocks) * self.block_size:
+                self._cache_full_blocks(req, min(total, req.num_tokens))
+                return True
         self.remove_skipped_blocks(req)
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + (len(new_computed_blocks) + len(loads)) * self.block_size

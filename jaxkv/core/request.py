@@ -6,6 +6,7 @@ The runner never sees a Request; the scheduler turns requests into a SchedulerOu
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,11 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
 @dataclass
@@ -91,7 +96,7 @@ class Request:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
 
-    @property
+    @functools.cached_property  # (checked against every sampled token)
     def stop_ids(self) -> list[int]:
         """Token ids that end the request: stop_token_ids, and every EOS id unless ignore_eos."""
         sp = self.sampling_params

@@ -233,16 +233,13 @@ class Scheduler:
         targets = []
         if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
             targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
-        return ScheduledRequest(
-            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n] + draft,
-            num_computed_tokens=start, block_ids=list(self.kv.get_block_ids(req.request_id)),
-            sample=start + n == req.num_tokens, sampling_params=sp, seed=req.seed,
-            sample_index=req.sample_index, num_output_tokens=req.num_output_tokens,
-            prompt_token_ids=req.prompt_token_ids if penalties else None,
-            output_token_ids=req.output_token_ids if penalties else None,
-            prompt_logprob_targets=targets,
-            min_tokens_banned_ids=req.stop_ids if req.num_output_tokens < sp.min_tokens else [],
-            spec_token_ids=draft, bad_words_token_ids=req.bad_words_token_ids)
+        return ScheduledRequest(  # positional (per sequence per step): the fields in order
+            req.request_id, req.all_token_ids[start:start + n] + draft, start,
+            list(self.kv.get_block_ids(req.request_id)), start + n == req.num_tokens, sp,
+            req.seed, req.sample_index, req.num_output_tokens,
+            req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
+            targets, req.stop_ids if req.num_output_tokens < sp.min_tokens else [], draft, None,
+            req.bad_words_token_ids)
 
     def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
         """Give back req's blocks: it computes again from its first token (or a prefix hit)."""

@@ -15,6 +15,8 @@ from jaxkv.core.request import Request, RequestStatus
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxkv.sampling.params import RequestOutputKind
 
+FINISHED = RequestStatus.FINISHED_STOPPED  # the first finished status (RequestStatus.is_finished)
+
 
 @dataclass
 class RequestGroup:
@@ -29,7 +31,7 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(c.status.is_finished for c in self.children)
+        return all(c.status >= FINISHED for c in self.children)
 
 
 class OutputProcessor:
@@ -105,8 +107,7 @@ class OutputProcessor:
         for j, (c, detok) in enumerate(zip(g.children, g.detoks)):
             if delta and c.request_id not in changed:
                 continue
-            done = c.status.is_finished
-            text = detok.get_next_output_text(done, delta)
+            text = detok.get_next_output_text(c.status >= FINISHED, delta)
             start = g.sent_tokens[j] if delta else 0
             lp_start = g.sent_logprobs[j] if delta else 0
             g.sent_tokens[j] = c.num_output_tokens
@@ -114,24 +115,15 @@ class OutputProcessor:
             if c.logprobs is not None:
                 logprobs = c.logprobs[lp_start:]
                 g.sent_logprobs[j] = len(c.logprobs)
-            outs.append(CompletionOutput(
-                index=c.sample_index, text=text, token_ids=list(c.output_token_ids[start:]),
-                cumulative_logprob=c.cumulative_logprob, logprobs=logprobs,
-                finish_reason=c.status.finish_reason, stop_reason=c.stop_reason))
+            outs.append(CompletionOutput(  # (index, text, token_ids, cumulative_logprob,
+                c.sample_index, text, c.output_token_ids[start:],  # logprobs, finish_reason,
+                c.cumulative_logprob, logprobs, c.status.finish_reason, c.stop_reason))  # stop_reason)
         first = g.children[0]
         prompt_lp = first.prompt_logprobs
         if delta and prompt_lp is not None:
             prompt_lp = None if g.prompt_logprobs_sent else prompt_lp
             g.prompt_logprobs_sent = True
-        t = [c.times for c in g.children]
-        metrics = RequestMetrics(
-            arrival_time=first.times.arrival_time,
-            first_scheduled_time=_min(x.first_scheduled_time for x in t),
-            first_token_time=_min(x.first_token_time for x in t),
-            last_token_time=_max(x.last_token_time for x in t),
-            finished_time=_max(x.finished_time for x in t) if finished else None,
-            num_generation_tokens=sum(c.num_output_tokens for c in g.children),
-            finished_samples=self._newly_finished(g))
+        metrics = _metrics(g, finished)
         if finished:
             del self.groups[g.request_id]
             for c in g.children:
@@ -149,6 +141,26 @@ class OutputProcessor:
                 out.append((c.sample_index, c.num_output_tokens, c.times.first_token_time,
                             c.times.last_token_time))
         return out
+
+
+def _metrics(g: RequestGroup, finished: bool) -> RequestMetrics:
+    """The group's RequestMetrics now: its samples' earliest first times and latest last
+    times."""
+    first = g.children[0]
+    if len(g.children) == 1:  # the common case, without the min/max over samples
+        t = first.times
+        return RequestMetrics(t.arrival_time, t.first_scheduled_time, t.first_token_time,
+                              t.last_token_time, t.finished_time if finished else None,
+                              first.num_output_tokens, OutputProcessor._newly_finished(g))
+    t = [c.times for c in g.children]
+    return RequestMetrics(
+        arrival_time=first.times.arrival_time,
+        first_scheduled_time=_min(x.first_scheduled_time for x in t),
+        first_token_time=_min(x.first_token_time for x in t),
+        last_token_time=_max(x.last_token_time for x in t),
+        finished_time=_max(x.finished_time for x in t) if finished else None,
+        num_generation_tokens=sum(c.num_output_tokens for c in g.children),
+        finished_samples=OutputProcessor._newly_finished(g))
 
 
 def _min(xs):

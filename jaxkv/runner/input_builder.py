@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from jaxkv.core.scheduler_output import SchedulerOutput
@@ -27,29 +29,33 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
     `mark_decode_only`: set StepInput.decode_only when every scheduled sequence has exactly
     one query token (only for attention backends that use it: each value is a program of
     its own)."""
-    i32 = np.int32
-    ids = np.zeros(num_tokens, i32)
-    pos = np.zeros(num_tokens, i32)
-    slots = np.zeros(num_tokens, i32)
-    tables = np.zeros((rows, max_blocks), i32)
-    seq_lens = np.zeros(rows, i32)
+    i32, sched = np.int32, out.scheduled
+    m = len(sched)  # vectorized over the step's sequences: no numpy call per sequence
+    n = np.fromiter((len(sr.token_ids) for sr in sched), i32, m)
+    c = np.fromiter((sr.num_computed_tokens for sr in sched), i32, m)
     qsl = np.zeros(rows + 1, i32)
+    np.cumsum(n, out=qsl[1:m + 1])
+    t = int(qsl[m])
+    qsl[m + 1:] = t
+    ids = np.zeros(num_tokens, i32)
+    ids[:t] = np.fromiter(itertools.chain.from_iterable(sr.token_ids for sr in sched), i32, t)
+    seq = np.repeat(np.arange(m, dtype=i32), n)  # each token's sequence
+    pos = np.zeros(num_tokens, i32)
+    pos[:t] = np.arange(t, dtype=i32) + np.repeat(c - qsl[:m], n)
+    lens = np.fromiter((len(sr.block_ids) for sr in sched), i32, m)
+    tables = np.zeros((rows, max_blocks), i32)
+    nb = int(lens.sum())
+    tables[np.repeat(np.arange(m), lens), np.arange(nb) - np.repeat(np.cumsum(lens) - lens, lens)] = \
+        np.fromiter(itertools.chain.from_iterable(sr.block_ids for sr in sched), i32, nb)
+    if not (pos[:t] // block_size < lens[seq]).all():
+        raise ValueError("a scheduled position lies past its sequence's block table")
+    slots = np.zeros(num_tokens, i32)
+    slots[:t] = tables[seq, pos[:t] // block_size] * block_size + pos[:t] % block_size
+    seq_lens = np.zeros(rows, i32)
+    seq_lens[:m] = c + n
     logits_idx = np.zeros(rows, i32)
-    t = 0
-    for s, sr in enumerate(out.scheduled):
-        n, c = sr.num_scheduled_tokens, sr.num_computed_tokens
-        p = np.arange(c, c + n, dtype=i32)
-        bt = np.asarray(sr.block_ids, i32)
-        ids[t:t + n] = sr.token_ids
-        pos[t:t + n] = p
-        slots[t:t + n] = bt[p // block_size] * block_size + p % block_size
-        tables[s, :len(bt)] = bt
-        seq_lens[s] = c + n
-        t += n
-        qsl[s + 1] = t
-        logits_idx[s] = t - 1
-    qsl[len(out.scheduled) + 1:] = t
-    decode_only = mark_decode_only and all(s.num_scheduled_tokens == 1 for s in out.scheduled)
+    logits_idx[:m] = qsl[1:m + 1] - 1
+    decode_only = mark_decode_only and bool((n == 1).all())
     cos, sin = rope_table[0][pos], rope_table[1][pos]
-    return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([len(out.scheduled)], i32),
+    return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([m], i32),
                      logits_idx, cos, sin, np.zeros(1, i32), decode_only=decode_only)

@@ -72,10 +72,16 @@ class RowSampler:
             o = jax.device_get(sampled)
         else:  # the tokens only (one transfer, not five)
             o = smp.SamplerOutput(jax.device_get(sampled.token_ids), None, None, None, None)
+        tokens = o.token_ids.tolist()  # Python ints at once (not a numpy scalar per row)
         for x in spans:
-            s, ys = x.sched, o.token_ids[x.row:x.row + x.count]
-            keep = rows.num_accepted(ys, s.spec_token_ids) + 1
-            res.sampled[s.request_id] = [int(y) for y in ys[:keep]]
+            s = x.sched
+            if x.count == 1:  # no draft: the row's token
+                res.sampled[s.request_id] = [tokens[x.row]]
+                keep = 1
+            else:
+                ys = tokens[x.row:x.row + x.count]
+                keep = rows.num_accepted(ys, s.spec_token_ids) + 1
+                res.sampled[s.request_id] = ys[:keep]
             if s.sampling_params.logprobs is not None:
                 k = s.sampling_params.logprobs
                 res.logprobs[s.request_id] = [

@@ -28,7 +28,7 @@ from jaxkv.sampling import sampler as smp
 PENALTY_MIN_WIDTH = 512  # narrowest padded token-id width of the penalty arrays
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """One sampling sequence's rows: `sched` (its ScheduledRequest), `row` (its first row in
     the sampler's batch), `count` (1 + its draft tokens)."""
@@ -61,6 +61,19 @@ def sampling_arrays(spans: list[Span], r: int) -> smp.SamplingArrays:
     seed_hi = np.zeros(r, np.uint32)
     idx = np.zeros(r, np.int32)
     step = np.zeros(r, np.int32)
+    if all(x.count == 1 and x.row == i for i, x in enumerate(spans)):  # one row each: at once
+        n = len(spans)
+        ps = [sp_.sched.sampling_params for sp_ in spans]
+        temp[:n] = [p.temperature for p in ps]
+        top_p[:n] = [p.top_p for p in ps]
+        top_k[:n] = [p.top_k for p in ps]
+        min_p[:n] = [p.min_p for p in ps]
+        seed64 = [sp_.sched.seed & 0xFFFFFFFFFFFFFFFF for sp_ in spans]
+        seed[:n] = [x & 0xFFFFFFFF for x in seed64]
+        seed_hi[:n] = [x >> 32 for x in seed64]
+        idx[:n] = [sp_.sched.sample_index for sp_ in spans]
+        step[:n] = [sp_.sched.num_output_tokens for sp_ in spans]
+        return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step, seed_hi)
     for sp_ in spans:
         s, rows = sp_.sched, slice(sp_.row, sp_.row + sp_.count)
         p = s.sampling_params
