@@ -30,6 +30,9 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            tokens, outputs of 32-384; issue 38's workload has 1,000): output and total tok/s.
   serving  the same engine under AsyncLLM, requests arriving at a fixed rate: TTFT and ITL
            p50 / p99 (the engine's own timestamps, no HTTP: the GPU machine has no FastAPI).
+  memory   (with offline or serving) that engine's compiled step programs' memory_analysis():
+           arguments, outputs, aliased pool, temporaries and the peak, against weights + pool
+           + 4 GiB (the 2026-12-04 engine's XLA warned of ~120 GiB).
 Weights are random (load_format="dummy"); the folder gets a word-level tokenizer
 (benchmarks/e2e_decode.model_folder). Rows hold the device name; compare rows of one run.
 """
@@ -264,6 +267,29 @@ def serving_row(llm, cfg: dict, p: dict, rows: Rows) -> None:
              itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99))
 
 
+def memory_rows(llm, rows: Rows) -> None:
+    """Each compiled step program's memory_analysis() (issue 38 item 6: peak within weights +
+    pool + 4 GiB, no pool-sized temporary): GiB of arguments, outputs, aliased (donated pool)
+    and temporaries, and the peak they imply (arguments + outputs - aliased + temporaries)."""
+    import jax
+    r = llm.llm_engine.runner
+    gib = 2.0 ** -30
+    pool = sum(x.nbytes for x in jax.tree.leaves(r.kv_cache))
+    for (t, decode_only), exe in sorted(r.programs.step.items()):
+        m = exe.memory_analysis()
+        if m is None:  # a backend without the analysis
+            continue
+        peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        rows.add(stage="memory", token_bucket=t, decode_only=decode_only,
+                 argument_gib=round(m.argument_size_in_bytes * gib, 3),
+                 output_gib=round(m.output_size_in_bytes * gib, 3),
+                 alias_gib=round(m.alias_size_in_bytes * gib, 3),
+                 temp_gib=round(m.temp_size_in_bytes * gib, 3), peak_gib=round(peak * gib, 3),
+                 weights_gib=round(r.weights_bytes * gib, 3), pool_gib=round(pool * gib, 3),
+                 within_4gib=peak <= r.weights_bytes + pool + 4 * 2**30,
+                 temp_below_tenth_of_pool=m.temp_size_in_bytes < pool / 10)
+
+
 SMOKE = {"kv_int8": dict(kv_cache_dtype="int8"), "kv_fp8": dict(kv_cache_dtype="fp8"),
          "ngram_spec": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
@@ -354,6 +380,7 @@ def main(argv=None) -> None:
                 offline_row(llm, cfg, p, rows, lengths)
             if "serving" in a.stages:
                 serving_row(llm, cfg, p, rows)
+            memory_rows(llm, rows)  # the programs compiled by now (all but a cut background)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -28,6 +28,9 @@ def test_the_dry_run_writes_every_stage(tmp_path):
         assert 0 <= r["steps_dispatched_ahead"] <= 1
     assert by["trace"][0]["gpu_idle_share"] is None  # no GPU events on the CPU
     assert by["warmup"][0]["programs"] > 0 and by["offline"][0]["output_tok_per_s"] > 0
+    mem = by["memory"]  # every step program: the pool aliased, no pool-sized temporary
+    assert mem and all(r["alias_gib"] >= r["pool_gib"] > 0 and r["temp_below_tenth_of_pool"]
+                       and r["within_4gib"] for r in mem)
     s = by["serving"][0]
     assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"] and 0 <= s["itl_p50_s"] <= s["itl_p99_s"]
     smoke = {r["path"]: r for r in by["smoke"]}
