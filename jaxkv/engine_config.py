@@ -297,17 +297,15 @@ def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
     columns, int4 groups or experts a tensor-parallel mesh cannot split, quantized experts."""
     tp = args.tensor_parallel_size
     check_tensor_parallel(mc, tp)
-    check_quantized_split(quant, mc, tp)
+    check_quantized_split(quant, mc, tp, args.enable_expert_parallel)
     if args.enable_expert_parallel and not mc.num_experts:
         raise ValueError(f"enable_expert_parallel: {mc.architecture} has no experts")
     if args.enable_expert_parallel and mc.num_experts % tp:
         raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp} must divide "
                          f"num_experts ({mc.num_experts})")
-    if quant is not None and mc.num_experts and (quant.method == "gguf" or tp > 1):
+    if quant is not None and mc.num_experts and quant.method == "gguf":
         raise ValueError(f"quantization {quant.name!r}: quantized experts ({mc.architecture}) "
-                         + ("in GGUF blocks are not kept yet (leave quantization unset: float "
-                            "weights)" if quant.method == "gguf" else
-                            f"are not split over devices yet (tensor_parallel_size {tp})"))
+                         "in GGUF blocks are not kept yet (leave quantization unset: float weights)")
     check_layer_shapes(quant, mc)
 
 

@@ -7,8 +7,8 @@ attention and its slice of the MLP, and XLA inserts the all-reduce after o_proj 
 layers split the same way: their packed weights, per-group scales and zero points along the
 same axis as the kernel, per-channel scales with the columns (jaxkv/quantization/linear.py).
 A mixture of experts splits every expert's intermediate dimension as a dense MLP's (vLLM's
-default), or with expert parallelism places whole experts per device; its router and a
-shared expert's gate are replicated. The
+default; quantized experts' leaves with their weight's axis), or with expert parallelism
+places whole experts per device; its router and a shared expert's gate are replicated. The
 embedding and the LM head are split by vocabulary when it divides. The KV pool is split by KV
 head; when there are fewer KV heads than devices (and the device count is a multiple of
 them) K/V are replicated, as vLLM replicates them. Norms and everything of the host
@@ -62,6 +62,8 @@ def param_specs(params, cfg, mesh: Mesh, expert_parallel: bool = False):
     def spec(path, x):
         names = [str(getattr(p, "key", p)) for p in path]
         module, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
+        if len(names) > 2 and names[-3] == "mlp" and module in experts:  # quantized experts
+            return _quantized_expert_spec(module, leaf, x, expert_parallel)
         if leaf == "perm":  # GPTQ's act-order input permutation [in]
             return P()
         if module == "mlp":  # a mixture of experts: each expert's columns split (vLLM's default)
@@ -76,6 +78,22 @@ def param_specs(params, cfg, mesh: Mesh, expert_parallel: bool = False):
             return P(None, AXIS)  # [hidden, vocab]
         return P()
     return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _quantized_expert_spec(module: str, leaf: str, x, expert_parallel: bool) -> P:
+    """A quantized expert leaf [E, ...] (jaxkv/quantization/linear.py's leaves behind the
+    expert axis) split as its float weight: whole experts per device with expert_parallel;
+    else gate/up by output columns (the last axis: packed weights, scales, zero points, fp8
+    kernels and per-channel scales [E, out]) and down by input rows (axis 1 of packed weights,
+    groups' scales and zero points, fp8 kernels; per-channel scales and a single group's
+    replicated). The act-order permutation [E, in] is replicated (experts' with them)."""
+    if expert_parallel:
+        return P(AXIS, *[None] * (x.ndim - 1))
+    if leaf == "perm":
+        return P()
+    if module != "down_proj":
+        return P(*[None] * (x.ndim - 1), AXIS)
+    return P(None, AXIS, None) if x.ndim == 3 and x.shape[1] > 1 else P()
 
 
 def param_shardings(params, cfg, mesh: Mesh, expert_parallel: bool = False):

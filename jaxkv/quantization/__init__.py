@@ -108,12 +108,18 @@ def weights_bytes(mc, dtype_bytes: int, spec: QuantSpec | None) -> int:
     return int(out)
 
 
-def check_tensor_parallel(spec: QuantSpec | None, mc, n: int) -> None:
+def check_tensor_parallel(spec: QuantSpec | None, mc, n: int, expert_parallel: bool = False) -> None:
     """ValueError in one line when a tensor-parallel split of n devices would cut a group of
-    int4 inputs (o_proj and down_proj split along their inputs)."""
+    int4 inputs (o_proj and down_proj split along their inputs; a mixture of experts' experts'
+    and shared expert's down_proj too, each expert's unless expert_parallel places whole
+    experts)."""
     if spec is None or spec.group_size is None or n == 1:
         return  # one group per channel (group_size -1): its scales are replicated
-    for name, dim in (("o_proj", mc.num_heads * mc.head_dim), ("down_proj", mc.intermediate_size)):
+    dims = [("o_proj", mc.num_heads * mc.head_dim), ("down_proj", mc.intermediate_size)]
+    if mc.num_experts:
+        dims = dims[:1] + [("experts.down_proj", 0 if expert_parallel else mc.moe_intermediate_size),
+                           ("shared_expert.down_proj", mc.shared_expert_intermediate_size or 0)]
+    for name, dim in dims:
         groups = dim // spec.group_size
         if groups % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the {groups} input groups of "

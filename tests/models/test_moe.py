@@ -97,10 +97,15 @@ def test_plan_counts_total_and_active_params(tmp_path):
 def test_what_moe_models_refuse(tmp_path):
     make_moe("mixtral", tmp_path)
     mc = ModelConfig.from_hf_config(load_hf_dir(str(tmp_path), load_weights=False).config)
-    with pytest.raises(ValueError, match=r"quantized experts \(MixtralForCausalLM\) are not "
-                                         r"split over devices yet \(tensor_parallel_size 2\)"):
-        EngineArgs(quantization="fp8", tensor_parallel_size=2).create_engine_config(
-            platform="cpu", model_config=mc)
+    assert EngineArgs(quantization="fp8", tensor_parallel_size=2).create_engine_config(
+        platform="cpu", model_config=mc).runner.quantization.method == "fp8"
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 must divide the 3 input groups "
+                                         r"of experts.down_proj"):  # each expert's 48 rows cut
+        EngineArgs(tensor_parallel_size=2).create_engine_config(
+            platform="cpu", model_config=mc, quantization_config=awq)
+    assert EngineArgs(tensor_parallel_size=2, enable_expert_parallel=True).create_engine_config(
+        platform="cpu", model_config=mc, quantization_config=awq).runner.quantization.method == "awq"
     assert EngineArgs(quantization="fp8").create_engine_config(
         platform="cpu", model_config=mc).runner.quantization.method == "fp8"
     gguf = {"quant_method": "gguf", "tensor_types": {"blk.0.attn_q.weight": "Q8_0"}}

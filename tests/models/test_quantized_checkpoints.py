@@ -195,13 +195,13 @@ def _save_quantized(fmt, tensors: dict, config: dict, path) -> None:
     tokenizer_from_gguf(embedded_model_path()).save_pretrained(path)
 
 
-def _write_moe(fmt, path, name="qwen2_moe"):
+def _write_moe(fmt, path, name="qwen2_moe", **overrides):
     """A tiny MoE of family `name` (tests/models/test_moe.py; a shared expert of 64 so that
-    groups of 32 divide it) in format `fmt` at `path`, and transformers' model loaded from a
-    folder of its dequantized float weights."""
+    groups of 32 divide it; config fields `overrides` changed) in format `fmt` at `path`, and
+    transformers' model loaded from a folder of its dequantized float weights."""
     from jaxkv.loader.hf import load_hf_tensors
     from tests.models.test_moe import MOE, make_moe
-    make_moe(name, path / "float", shared_expert_intermediate_size=64)
+    make_moe(name, path / "float", shared_expert_intermediate_size=64, **overrides)
     state = {k: np.asarray(v, np.float32) for k, v in load_hf_tensors(path / "float").items()}
     tensors = _quantize_tensors(fmt, state)
     config = json.loads((path / "float" / "config.json").read_text())

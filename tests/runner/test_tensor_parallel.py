@@ -121,6 +121,24 @@ def test_mixtures_of_experts_split_each_expert_and_give_the_tp1_tokens():
         assert ep["gate_proj"] == ep["down_proj"] == "P('tp', None, None)"
 
 
+def test_quantized_experts_split_and_give_the_tp1_tokens():
+    """fp8 and AWQ int4 experts at TP 2: each expert's packed weights, scales and zero points
+    split with their weight's axis (gate/up by columns, down by rows), whole experts with
+    expert parallelism; the tokens are TP 1's."""
+    r = tp_run("moe_quantized")
+    for name in ("fp8", "awq"):
+        assert r[f"{name}2"]["quantization"] == r[f"{name}2ep"]["quantization"] == name
+        same_tokens(r[f"{name}2"], r[f"{name}1"], f"{name} experts, TP 2")
+        same_tokens(r[f"{name}2ep"], r[f"{name}1"], f"{name} experts, TP 2 with expert parallelism")
+    fp8, awq = r["fp82"]["leaves"], r["awq2"]["leaves"]
+    assert fp8 == {"gate_proj.kernel": "P(None, None, 'tp')", "gate_proj.scale": "P(None, 'tp')",
+                   "down_proj.kernel": "P(None, 'tp', None)", "down_proj.scale": "P()"}
+    for leaf in ("qweight", "scales", "zeros"):
+        assert awq[f"gate_proj.{leaf}"] == "P(None, None, 'tp')"
+        assert awq[f"down_proj.{leaf}"] == "P(None, 'tp', None)"
+    assert set(r["awq2ep"]["leaves"].values()) == {"P('tp', None, None)"}
+
+
 def test_windowed_families_give_the_tp1_tokens():
     """Sliding windows (shorter than the prompts) and Gemma's soft-capping at TP 2."""
     r = tp_run("windowed")

@@ -110,6 +110,8 @@ def main(case: str) -> dict:
         return quantized(prompts)
     if case == "moe":
         return moe(prompts)
+    if case == "moe_quantized":
+        return moe_quantized(prompts)
     if case == "windowed":
         return windowed(prompts)
     raise SystemExit(f"unknown case {case!r}")
@@ -158,6 +160,30 @@ def moe(prompts) -> dict:
             spec = lambda x: str(getattr(x.sharding, "spec", "single"))  # noqa: E731
             out[f"{name}{tp}{'ep' if ep else ''}"] = {**run(llm, prompts, 8), "gate_proj": spec(mlp["gate_proj"]),
                                   "down_proj": spec(mlp["down_proj"]), "router": spec(mlp["router"])}
+            llm.llm_engine.shutdown()
+    return out
+
+
+def moe_quantized(prompts) -> dict:
+    """A Qwen2-MoE (experts of 64: two groups of 32) with fp8 weights (quantized at load) and
+    in AutoAWQ's int4 layout, at TP 1, 2 and 2 with expert parallelism: tokens and where the
+    experts' quantized leaves live."""
+    import pathlib
+
+    from jaxkv import LLM
+    from tests.models.test_quantized_checkpoints import _write_moe
+    d = pathlib.Path(tempfile.mkdtemp())
+    _write_moe("awq", d, moe_intermediate_size=64)
+    out = {}
+    for name, folder, kw in (("fp8", str(d / "float"), dict(quantization="fp8")), ("awq", str(d), {})):
+        for tp, ep in ((1, False), (2, False), (2, True)):
+            llm = LLM(model=folder, tensor_parallel_size=tp, enable_expert_parallel=ep, **ENGINE, **kw)
+            mlp = llm.llm_engine.runner.params["layers_0"]["mlp"]
+            spec = lambda x: str(getattr(x.sharding, "spec", "single"))  # noqa: E731
+            out[f"{name}{tp}{'ep' if ep else ''}"] = {
+                **run(llm, prompts, 8), "quantization": llm.stats().quantization,
+                "leaves": {f"{m}.{k}": spec(v) for m in ("gate_proj", "down_proj")
+                           for k, v in mlp[m].items()}}
             llm.llm_engine.shutdown()
     return out
 
