@@ -222,26 +222,27 @@ def _compressed_tensors(qc: dict, platform: str) -> QuantSpec:
         raise ValueError(f"quantization_config.format {fmt!r} is not supported for int4 weights "
                          "(pack-quantized is)")
     return QuantSpec("pack-quantized", bits=4, group_size=kind[1], checkpoint="compressed-tensors",
-                     symmetric=kind[2])
+                     symmetric=kind[2], act_order=kind[3])
 
 
 def _ct_weights(name: str, group) -> tuple:
-    """("float", None, True) for fp8 weights, ("int", group size or None per channel,
-    symmetric) for int4; ValueError naming the config group otherwise."""
+    """("float", None, True, False) for fp8 weights, ("int", group size or None per
+    channel, symmetric, act-order) for int4; ValueError naming the config group otherwise."""
     where = f"quantization_config.config_groups.{name}"
     w = group.get("weights") if isinstance(group, dict) else None
     if not isinstance(w, dict):
         raise ValueError(f"{where}.weights must be an object, got {w!r}"[:200])
     kind, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
     if (kind, bits) == ("float", 8) and strategy in ("tensor", "channel"):
-        return "float", None, True
+        return "float", None, True, False
     if (kind, bits) != ("int", 4) or strategy not in ("group", "channel"):
         raise ValueError(f"{where}.weights: jaxkv reads compressed-tensors fp8 weights (type "
                          "float, 8 bits, per tensor or channel) and int4 ones (type int, 4 bits, "
                          f"per group or channel), got {w!r}"[:300])
-    if w.get("actorder") in ("group", True):  # True: the older spelling of "group"
-        raise ValueError(f"{where}.weights.actorder {w.get('actorder')!r} (weight_g_idx) is not "
-                         "supported yet; static or none is")
+    # actorder group (True: its older spelling; "dynamic" its alias): weight_g_idx gives each
+    # input's group (GPTQ's act-order; llm-compressor wrote it, compressed-tensors 0.20 no
+    # longer does). "weight"/"static" change only the calibration, not the format.
+    act_order = w.get("actorder") in ("group", "dynamic", True)
     act = group.get("input_activations")
     if act:
         raise ValueError(f"{where}.input_activations: jaxkv reads int4 weights with float "
@@ -249,7 +250,7 @@ def _ct_weights(name: str, group) -> tuple:
     size = w.get("group_size") if strategy == "group" else None
     if strategy == "group" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f"{where}.weights.group_size must be a positive integer, got {size!r}")
-    return "int", size, bool(w.get("symmetric", True))
+    return "int", size, bool(w.get("symmetric", True)), act_order
 
 
 def _int4_checkpoint(method: str, qc: dict) -> QuantSpec:

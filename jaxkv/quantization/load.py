@@ -56,6 +56,11 @@ def quantize_int4(w: np.ndarray, spec: QuantSpec) -> dict:
     return leaves
 
 
+def _unpack_rows(packed: np.ndarray) -> np.ndarray:
+    """_pack_rows undone: [in / 2, out] -> uint8 values 0..15 [in, out]."""
+    return np.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[-1])
+
+
 def _pack_rows(q: np.ndarray) -> np.ndarray:
     """uint8 values 0..15 [in, out] -> [in / 2, out], row 2i low nibble, 2i + 1 high."""
     return (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
@@ -87,7 +92,11 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
                          f"input dimension {n_in} of {prefix}")
     g = spec.group_size or n_in
     if spec.method == "pack-quantized":
-        return _pack_quantized_leaves(get, prefix, n_in, out, g, spec.symmetric)
+        leaves = _pack_quantized_leaves(get, prefix, n_in, out, g, spec.symmetric)
+        if spec.act_order:  # the rows (two per byte) unpacked, put in group order, repacked
+            q = _unpack_rows(leaves["qweight"])
+            leaves["qweight"] = _pack_rows(_group_order(get, f"{prefix}.weight_g_idx", q, g, leaves))
+        return leaves
     if spec.method == "awq":
         qweight = _int32(_shaped(get, f"{prefix}.qweight", (n_in, out // 8)), f"{prefix}.qweight")
         q = _nibbles(qweight, 1).reshape(n_in, out // 8, 8)[:, :, np.argsort(AWQ_ORDER)]
@@ -130,22 +139,30 @@ def _pack_quantized_leaves(get, prefix: str, n_in: int, out: int, g: int, symmet
 
 def _gptq_order(get, prefix: str, q: np.ndarray, g: int, spec: QuantSpec, leaves: dict):
     """GPTQ's g_idx: the rows of q in group order (and "perm" with act-order)."""
-    n_in = q.shape[0]
     try:
-        g_idx = np.asarray(get(f"{prefix}.g_idx")).astype(np.int64)
-    except ValueError:
-        g_idx = None
-    plain = np.arange(n_in) // g
-    if g_idx is None or np.array_equal(g_idx, plain):
+        get(f"{prefix}.g_idx")
+    except ValueError:  # no g_idx: the plain order
         if spec.act_order:
-            leaves["perm"] = np.arange(n_in, dtype=np.int32)
+            leaves["perm"] = np.arange(q.shape[0], dtype=np.int32)
         return q
-    if not spec.act_order:
+    if spec.act_order:
+        return _group_order(get, f"{prefix}.g_idx", q, g, leaves)
+    g_idx = np.asarray(get(f"{prefix}.g_idx")).astype(np.int64)
+    if not np.array_equal(g_idx, np.arange(q.shape[0]) // g):
         raise ValueError(f"{prefix}.g_idx reorders the inputs but quantization_config.desc_act "
                          "is false")
+    return q
+
+
+def _group_order(get, name: str, q: np.ndarray, g: int, leaves: dict) -> np.ndarray:
+    """Act-order: tensor `name` (int [in]) gives each input's group; returns the rows of q
+    [in, out] in group order and sets leaves["perm"] (the inputs in that order, int32 [in]).
+    ValueError naming the tensor when it is missing or does not give every group g inputs."""
+    n_in = q.shape[0]
+    g_idx = np.asarray(get(name)).astype(np.int64)
     if (g_idx.shape != (n_in,) or g_idx.min() < 0 or g_idx.max() >= n_in // g
             or np.any(np.bincount(g_idx, minlength=n_in // g) != g)):
-        raise ValueError(f"{prefix}.g_idx does not give every group {g} inputs")
+        raise ValueError(f"{name} does not give every group {g} inputs")
     perm = np.argsort(g_idx, kind="stable")
     leaves["perm"] = perm.astype(np.int32)
     return q[perm]

@@ -109,8 +109,6 @@ def ct(*weights, fmt="pack-quantized", **group):
     (None, {"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
     (None, {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "type": "int", "num_bits": 4, "strategy": "group"}}}}, "config_groups.g.weights"),
-    (None, ct({**W4, "actorder": "group"}), r"config_groups.g0.weights.actorder 'group'"),
-    (None, ct({**W4, "actorder": True}), r"config_groups.g0.weights.actorder True"),
     (None, ct(W4, input_activations={"type": "int", "num_bits": 8}), "g0.input_activations"),
     (None, ct({**W4, "num_bits": 8}), "config_groups.g0.weights: jaxkv reads"),
     (None, ct(W4, {**W4, "group_size": 64}), "one weight scheme for every layer"),
@@ -231,6 +229,18 @@ def test_bad_pack_quantized_tensors_name_the_tensor():
         linear_leaves(asym, get({**good, "x.weight_shape": np.array([16, 32])}), "x", n_in, out)
     with pytest.raises(ValueError, match=r"tensor x.weight_packed has shape \(8, 16\)"):
         linear_leaves(asym, get({**good, "x.weight_packed": np.zeros((8, 16), np.int32)}), "x", n_in, out)
+    # actorder group ("group", its older spelling True): weight_g_idx is read, and must be there
+    # and give every group its inputs
+    for actorder in ("group", True):
+        spec = resolve(None, {"quantization_config": ct({**W4, "actorder": actorder})}, "cpu")
+        assert spec.act_order and spec.method == "pack-quantized"
+    order = {**good, "x.weight_g_idx": (np.arange(n_in) % 2).astype(np.int32)}
+    act = QuantSpec("pack-quantized", bits=4, group_size=32, act_order=True)
+    assert (linear_leaves(act, get(order), "x", n_in, out)["perm"][:32] == np.arange(0, 64, 2)).all()
+    with pytest.raises(ValueError, match="lacks tensor 'x.weight_g_idx'"):
+        linear_leaves(act, get(good), "x", n_in, out)
+    with pytest.raises(ValueError, match="x.weight_g_idx does not give every group 32 inputs"):
+        linear_leaves(act, get({**good, "x.weight_g_idx": np.zeros(n_in, np.int32)}), "x", n_in, out)
 
 
 def test_convert_refuses_quantized_checkpoints(tmp_path):

@@ -114,6 +114,30 @@ def _ct_int4(w, strategy):
     return tensors, deq.float().numpy()
 
 
+def _ct_int4_actorder(w, rng):
+    """compressed-tensors int4 with actorder group, as llm-compressor wrote it before that
+    library dropped it: each input's group in weight_g_idx (a random balanced assignment), the
+    values packed in the inputs' own order, scales and zero points per group. The library
+    quantizes the group-ordered columns; its packing helpers put them back in order."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    n_in = w.shape[1]
+    order = rng.permutation(n_in)  # the inputs in group order
+    tensors, deq = _ct_int4(np.ascontiguousarray(w[:, order]), "group")
+    back = np.argsort(order)
+    values = unpack_from_int32(torch.from_numpy(tensors["weight_packed"]), 4, torch.Size(w.shape))
+    tensors["weight_packed"] = pack_to_int32(values[:, torch.from_numpy(back)].contiguous(), 4).numpy()
+    g_idx = np.empty(n_in, np.int32)
+    g_idx[order] = np.arange(n_in) // GROUP
+    tensors["weight_g_idx"] = g_idx
+    return tensors, np.ascontiguousarray(deq[:, back])
+
+
+def _ct_actorder_config():
+    config = _ct_config("group")  # the library refuses actorder group now: set it in the JSON
+    config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    return config
+
+
 def _ct_scheme(strategy):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     args = dict(group_size=GROUP, symmetric=False) if strategy == "group" else dict(symmetric=True)
@@ -142,6 +166,7 @@ QUANT_CONFIGS = {
              "sym": False, "checkpoint_format": "gptq"},
     "compressed-tensors:int4-group": lambda: _ct_config("group"),
     "compressed-tensors:int4-channel": lambda: _ct_config("channel"),
+    "compressed-tensors:int4-actorder": _ct_actorder_config,
 }
 
 
@@ -174,6 +199,8 @@ def _quantize_tensors(fmt, state: dict) -> dict:
             t, deq = _fp8(w, per_channel=fmt == "compressed-tensors")
             if fmt == "fp8":
                 t["input_scale"] = np.asarray(0.05, np.float32)
+        elif fmt == "compressed-tensors:int4-actorder":
+            t, deq = _ct_int4_actorder(w, rng)
         elif fmt.startswith("compressed-tensors:"):
             t, deq = _ct_int4(w, fmt.split("-")[-1])
         else:
