@@ -41,12 +41,30 @@ class StepInput:
     # [1]: 1 = the program also returns the argmax of each sequence's last row's logits
     # (fused greedy sampling, in the programs of the smallest buckets); 0 = it skips that
     fuse_greedy: Array = dataclasses.field(default_factory=lambda: np.zeros(1, np.int32))
+    # Async scheduling (jaxkv/runner/lookahead.py): a step dispatched before the previous
+    # steps' sampled tokens reach the host takes them on the device. prev_sampled: two int32
+    # [P] token arrays (those steps' sampler outputs, padded to P = max_num_seqs rows; the
+    # same array twice when one step is the source); prev_index [T]: row t's input id is
+    # concat(prev_sampled)[prev_index[t]] where it is >= 0, else input_ids[t]. None: no
+    # such rows (a program without the gather).
+    prev_sampled: tuple | None = None
+    prev_index: Array | None = None
     decode_only: bool = False  # static: every real sequence has exactly one query row
 
     @property
     def num_tokens(self) -> int:
         """T, the token bucket (padded rows included)."""
         return self.input_ids.shape[0]
+
+
+def input_ids(step: StepInput) -> jax.Array:
+    """In the program: int32 [T], the step's token ids, those of rows with a prev_index taken
+    from prev_sampled (a step dispatched ahead: see the fields)."""
+    if step.prev_index is None:
+        return step.input_ids
+    prev = jax.numpy.concatenate(step.prev_sampled)
+    return jax.numpy.where(step.prev_index >= 0, prev[jax.numpy.maximum(step.prev_index, 0)],
+                           step.input_ids)
 
 
 jax.tree_util.register_dataclass(

@@ -91,12 +91,9 @@ class Scheduler:
         return len(self.waiting) + sum(len(c) for c in self.pending_forks.values())
 
     # ---- one step -----------------------------------------------------------------------
-    def schedule(self, admit_waiting: bool = True) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts; allocates their slots. The step
-        stays undoable (undo_step) until update_from_output() commits it. admit_waiting=False
-        (async scheduling, while a step run ahead is pending): waiting requests join the next
-        step instead, unless nothing runs, so the step matches the one run ahead (as vLLM's
-        async scheduler, whose arrivals join the step after the one in flight)."""
+        stays undoable (undo_step) until update_from_output() commits it."""
         self.kv.begin_step()
         self._step_journal = []
         budget = self.max_num_batched_tokens
@@ -105,8 +102,7 @@ class Scheduler:
         now = time.monotonic()
 
         budget = self._schedule_running(chosen, budget, preempted)
-        if admit_waiting or not self.running:
-            budget = self._schedule_waiting(chosen, budget, preempted, now)
+        budget = self._schedule_waiting(chosen, budget, preempted, now)
         if not chosen and not self.running and self.waiting:
             compiling = [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.ready]
             if compiling:  # nothing else to run: wait a little for a grammar, run nothing
@@ -134,8 +130,7 @@ class Scheduler:
                 if s.sample and req.grammar is not None and req.grammar.matcher is not None]
         if rows:  # each constrained sequence that samples gets its allowed-token row
             self.structured_output_manager.attach_bitmasks(rows)
-        return SchedulerOutput(scheduled, preempted, self.kv.transfers, self.num_waiting,
-                               self.max_num_seqs - len(self.running))
+        return SchedulerOutput(scheduled, preempted, self.kv.transfers)
 
     def _schedule_running(self, chosen: list, budget: int, preempted: list[str]) -> int:
         """The running requests in order, each with as many tokens as the budget leaves,

@@ -76,11 +76,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
     kv_transfers: KVTransfers | None = None  # None or empty: no copy between KV tiers
-    # After this step's admissions: requests still waiting (forked children included) and
-    # seats left under max_num_seqs. Async scheduling runs no step ahead while a waiting
-    # request could join the next step (it would be a step of its own).
-    num_waiting: int = 0
-    num_free_seats: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

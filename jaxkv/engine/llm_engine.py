@@ -215,9 +215,9 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler
         try:  # schedule -> execute_model -> update_from_output -> outputs
-            # Async scheduling: while a decode step run ahead is pending, waiting requests
-            # join the step after it (jaxkv/runner/lookahead.py).
-            out = sched.schedule(admit_waiting=not getattr(self.runner, "step_ahead_pending", False))
+            # (Async scheduling: the sequences of a step run ahead take its results; new
+            # prompts run beside it, jaxkv/runner/lookahead.py.)
+            out = sched.schedule()
             if not out.scheduled:
                 if out.kv_transfers:  # a swap-out with nothing to run: copy it all the same
                     self.runner.execute(out)

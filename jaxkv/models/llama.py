@@ -29,7 +29,7 @@ from jaxkv.models.model_config import ModelConfig
 from jaxkv.models.moe import MoE
 from jaxkv.quantization import QuantSpec
 from jaxkv.quantization import linear as qlinear
-from jaxkv.step_input import StepInput
+from jaxkv.step_input import StepInput, input_ids
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -232,7 +232,7 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(c.vocab_size, False, self.dtype, name="lm_head")
 
     def __call__(self, step: StepInput, kv):
-        x = self.embed_tokens(step.input_ids)
+        x = self.embed_tokens(input_ids(step))
         if self.cfg.gemma:  # scaled by sqrt(hidden_size), rounded to the weights' dtype
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.dtype)
         rope = (step.rope_cos, step.rope_sin)  # from the host: see StepInput

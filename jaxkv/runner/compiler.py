@@ -70,7 +70,8 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
     r = num_rows(t, runner.max_num_seqs)
     empty = SchedulerOutput([])
     si = build_step_input(empty, block_size=runner.block_size, num_tokens=t, rows=r,
-                          max_blocks=runner.max_blocks, rope_table=runner.rope_table)
+                          max_blocks=runner.max_blocks, rope_table=runner.rope_table,
+                          prev_rows=runner.prev_rows)
     tp = getattr(runner, "mesh", None) is not None
     params = abstract(runner.params, tp)
     programs = runner.programs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -21,14 +22,15 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray
 
 def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, rows: int,
                      max_blocks: int, rope_table: tuple[np.ndarray, np.ndarray],
-                     mark_decode_only: bool = False) -> StepInput:
+                     mark_decode_only: bool = False, prev_rows: int = 0) -> StepInput:
     """The padded arrays of `out` (shapes in StepInput: T = num_tokens, R = rows,
     B = max_blocks; the rotary tables looked up by position in `rope_table`, the model's
     (cos, sin) of positions 0 .. max_model_len - 1, float32 [max_model_len, head_dim / 2],
     made once at start-up by rope_tables, as vLLM keeps its cos_sin_cache).
     `mark_decode_only`: set StepInput.decode_only when every scheduled sequence has exactly
     one query token (only for attention backends that use it: each value is a program of
-    its own)."""
+    its own). `prev_rows` P > 0 (async scheduling): prev_sampled two zero arrays [P] and
+    prev_index all -1 (no row from an earlier step: a step run ahead sets its own)."""
     i32, sched = np.int32, out.scheduled
     m = len(sched)  # vectorized over the step's sequences: no numpy call per sequence
     n = np.fromiter((len(sr.token_ids) for sr in sched), i32, m)
@@ -57,5 +59,14 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
     logits_idx[:m] = qsl[1:m + 1] - 1
     decode_only = mark_decode_only and bool((n == 1).all())
     cos, sin = rope_table[0][pos], rope_table[1][pos]
+    prev = (_zeros(prev_rows),) * 2 if prev_rows else None
     return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([m], i32),
-                     logits_idx, cos, sin, np.zeros(1, i32), decode_only=decode_only)
+                     logits_idx, cos, sin, np.zeros(1, i32), prev,
+                     np.full(num_tokens, -1, i32) if prev_rows else None, decode_only=decode_only)
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(n: int) -> np.ndarray:
+    z = np.zeros(n, np.int32)
+    z.flags.writeable = False  # shared by every step
+    return z

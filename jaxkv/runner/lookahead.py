@@ -1,28 +1,31 @@
 """Async scheduling (vLLM's `async_scheduling`): the next decode step dispatched before this
 step's sampled tokens reach the host (host side: numpy and plain data, no JAX).
 
-After dispatching a step whose every sequence samples one token, the runner predicts the next
+After dispatching a step whose every sequence samples a token, the runner predicts the next
 step: each of those sequences decoding that token at the next position, in the same order, as
-the scheduler will schedule it unless something changes. The prediction runs at once (its
-input ids are the step's sampled tokens, still on the device), so the device goes from one
-step to the next while the host reads the tokens, updates the requests, detokenizes, checks
-stops and schedules. When the scheduler's next step arrives, each of its sequences that equals
-its prediction (same position, token, blocks and sampling inputs) takes the result computed
-ahead; the others run as a step of their own. A sequence that stopped meanwhile (EOS, a stop
-string, an abort) simply is not asked for: its row is dropped, and the one K/V row written
-ahead lands in its own last, partial block, which no hash covers and which is written again
-before anyone reads that position.
+the scheduler will schedule it unless something changes (`plan`). The prediction runs at once:
+its input ids are taken on the device from the step's sampled tokens (StepInput.prev_sampled
+and prev_index: each sampler output is padded to max_num_seqs rows, so any rows of up to two
+outputs feed any token bucket), so the device goes from one step to the next while the host
+reads the tokens, updates the requests, detokenizes, checks stops and schedules. When the
+scheduler's next step arrives, each of its sequences that equals its prediction (same
+position, token, blocks and sampling inputs) takes the result computed ahead; the others (a
+new prompt admitted meanwhile, as vLLM's async scheduler admits it into the next step; a
+sequence that changed) run beside it as a program of their own, and the step after is again
+predicted from both outputs. A sequence that stopped meanwhile (EOS, a stop string, an abort)
+simply is not asked for: its row is dropped, and the one K/V row written ahead lands in its
+own last, partial block, which no hash covers and which is written again before anyone reads
+that position (or, if the block went to another request, before that request reads it: the
+step run ahead precedes every later program on the device).
 
 A sequence is predicted only where the next step's inputs do not depend on this step's token
 on the host: no penalties that read the token history (repetition, presence, frequency), no
 bad_words, no grammar, no drafts (speculative decoding), no prompt logprobs; its next position
-must lie in a block it already holds and below max_tokens and max_model_len. A step is run
-ahead only when all its sequences are predicted (those finishing by length aside, at its end),
-no waiting request could join the next step, and the prediction's compiled token bucket equals
-the sampled-token array's length, so its input ids are that array itself (no program of its
-own). So a batch runs ahead in its steady decode steps: not right after a step that a
-sequence joined or left, nor from a step after which some sequence's next token needs a new
-block (one step in block_size for each sequence), nor while any sequence has such penalties.
+must lie in a block it already holds. One that ends by length now (max_tokens, max_model_len)
+is left out of the prediction. A step is run ahead when every sequence of the step sampled and
+each is predicted or ends by length: not after a step with a prompt chunk that samples
+nothing, nor from a step after which some sequence's next token needs a new block that its
+lookahead slot did not give it, nor while any sequence has such penalties.
 """
 
 from __future__ import annotations
@@ -85,6 +88,37 @@ def _same_blocks(now: list[int], predicted: list[int]) -> bool:
     if now[:len(predicted)] == predicted:  # (the usual case, compared at once)
         return True
     return len(now) >= len(predicted) and all(a == b or a == 0 for a, b in zip(now, predicted))
+
+
+def plan(scheduled: list[ScheduledRequest], sources: dict[str, tuple[int, int]], block_size: int,
+         max_model_len: int, rows: int) -> tuple[list[ScheduledRequest], list[int]] | None:
+    """The step to run ahead after a step of `scheduled` whose sampled tokens lie on the
+    device: `sources` maps each sequence that sampled to (its sampler output 0 or 1, its row
+    there), each output padded to `rows` rows. Returns (the predicted ScheduledRequests, for
+    each its input token's index in the two outputs concatenated), leaving out sequences
+    that end by length now; None when a sequence sampled nothing (a prompt chunk) or its next
+    step cannot be predicted, or none goes on."""
+    predicted, index = [], []
+    for s in scheduled:
+        src = sources.get(s.request_id)
+        if src is None:
+            return None
+        if ends_by_length(s, max_model_len):
+            continue  # finished by update_from_output: never asked again
+        q = predict(s, block_size, max_model_len)
+        if q is None:
+            return None
+        predicted.append(q)
+        index.append(src[0] * rows + src[1])
+    return (predicted, index) if predicted else None
+
+
+def ends_by_length(s: ScheduledRequest, max_model_len: int) -> bool:
+    """Whether the token `s` samples now surely ends it (max_tokens, max_model_len: the
+    scheduler's length finish, whatever the token is)."""
+    pos = s.num_computed_tokens + s.num_scheduled_tokens
+    return (s.sample and not s.spec_token_ids
+            and (s.num_output_tokens + 1 >= s.sampling_params.max_tokens or pos + 1 >= max_model_len))
 
 
 def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> ScheduledRequest | None:

@@ -75,6 +75,9 @@ class ModelRunner:
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
         self.expert_load = None  # MoE: int32 [E] on the device, tokens per expert (all steps)
         self.num_blocks = cc.num_blocks
+        # Async scheduling: sampled tokens padded to this many rows, which a step run ahead
+        # reads on the device (StepInput.prev_sampled); 0 without it (no such input).
+        self.prev_rows = self.max_num_seqs if rc.async_scheduling else 0
         self._place(params, rc.tensor_parallel_size)
         self.weights_bytes = sum(sh.bytes_per_device(self.params))  # all shards, as packed
         self.enforce_eager = enforce_eager = rc.enforce_eager
@@ -142,7 +145,7 @@ class ModelRunner:
         out = {} if self.mesh is None or enforce_eager else {"out_shardings": sh.replicated(self.mesh)}
         self.programs = Programs(
             gather_rows=jit(lambda hidden, idx: hidden[idx], **out),
-            sample=jit(sample_body(self._logits, self.model.cpu_matmul),
+            sample=jit(sample_body(self._logits, self.model.cpu_matmul, self.prev_rows),
                        static_argnames=("mode", "num_logprobs"), **out),
             prompt_logprobs=jit(prompt_logprobs_body(self._logits),
                                 static_argnames=("num_logprobs",), **out))
@@ -167,7 +170,8 @@ class ModelRunner:
         else:
             hidden, kv_cache = self.model.apply({"params": params}, step, kv_cache)
         if step.num_tokens <= self.fused_greedy_max_tokens:
-            extras["greedy"] = fg.greedy_tokens(lambda h: self._logits(params, h), hidden, step)
+            extras["greedy"] = smp.pad_rows(
+                fg.greedy_tokens(lambda h: self._logits(params, h), hidden, step), self.prev_rows)
         return hidden, kv_cache, extras
 
     def _logits(self, params, hidden):
@@ -211,7 +215,7 @@ class ModelRunner:
         return build_step_input(out, block_size=self.block_size, num_tokens=t,
                                 rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
                                 rope_table=self.rope_table,
-                                mark_decode_only=self.mark_decode_only)
+                                mark_decode_only=self.mark_decode_only, prev_rows=self.prev_rows)
 
     def forward(self, step: StepInput) -> jax.Array:
         """Run the jitted step: write the step's K/V into the pool (donated, updated in place)
@@ -297,10 +301,7 @@ class ModelRunner:
             hidden, spans, sampled = self._step_and_sample(sub.scheduled, si)
             run = (sub, si, hidden, spans, sampled)
         if self.async_scheduling:  # the next step, now
-            if not rest and len(reuse) == len(ahead.predicted):
-                self._ahead = self._run_ahead(out, [x for _, x in reuse], ahead.sampled)
-            elif run is not None and not reuse:
-                self._ahead = self._run_ahead(out, run[3], run[4])
+            self._ahead = self._run_ahead(out, reuse, ahead, run)
         if reuse:
             self.sampler.collect(res, ahead.sampled, [x for _, x in reuse])
         if run is not None:
@@ -319,32 +320,31 @@ class ModelRunner:
         """Whether a decode step run ahead (async scheduling) waits for the next execute()."""
         return self._ahead is not None
 
-    def _run_ahead(self, out: SchedulerOutput, spans, sampled) -> la.Ahead | None:
-        """Dispatch the predicted next step of `out` (every sequence sampled one token, at
-        the rows `spans` of `sampled`) with those tokens as its input ids; None when it
-        cannot be predicted whole, a waiting request could join it, or its bucket is not the
-        sampled array's length."""
-        scheduled = out.scheduled
-        if len(spans) != len(scheduled):
+    def _run_ahead(self, out: SchedulerOutput, reuse, ahead, run) -> la.Ahead | None:
+        """Dispatch the predicted next step of `out` (jaxkv/runner/lookahead.py), its input
+        ids taken on the device from this step's sampled tokens: those of the sequences
+        computed ahead (`reuse`, rows of ahead.sampled) and of the ones run now (`run`'s
+        spans and sampler output). None when it cannot be predicted."""
+        if not self.prev_rows:  # built without async scheduling: no such input
             return None
-        predicted = [la.predict(s, self.block_size, self.max_model_len) for s in scheduled]
-        n = next((i for i, q in enumerate(predicted) if q is None), len(predicted))
-        if n == 0 or any(q is not None for q in predicted[n:]):
-            return None  # only sequences at the end may drop out (rows 0 .. n-1 go on)
-        if out.num_waiting and (out.num_free_seats > 0 or n < len(predicted)):
-            return None  # the next step would admit one: the decodes run next to its prompt
-        predicted = predicted[:n]
-        tokens = sampled.token_ids
-        if any(x.row != i or x.count != 1 for i, x in enumerate(spans[:n])):
+        sources, arrays = {s.request_id: (0, x.row) for s, x in reuse}, []
+        if reuse:
+            arrays.append(ahead.sampled.token_ids)
+        if run is not None and run[3]:
+            sources.update({x.sched.request_id: (len(arrays), x.row) for x in run[3]})
+            arrays.append(run[4].token_ids)
+        plan = la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows)
+        if plan is None:
             return None
+        predicted, index = plan
         try:
-            t = pick_bucket(self._usable_buckets, n)
+            t = pick_bucket(self._usable_buckets, len(predicted))
         except ValueError:
             return None
-        if t != tokens.shape[0] or self.sample_rows(t, n) != t:
-            return None
-        nxt = SchedulerOutput(predicted)
-        si = dataclasses.replace(self.build_inputs(nxt, t), input_ids=tokens)
+        si = self.build_inputs(SchedulerOutput(predicted), t)
+        prev_index = si.prev_index.copy()
+        prev_index[:len(index)] = index  # one query row per sequence, in order
+        si = dataclasses.replace(si, prev_sampled=(arrays[0], arrays[-1]), prev_index=prev_index)
         _, spans, sampled = self._step_and_sample(predicted, si)
         self.num_ahead_dispatched += 1
         return la.Ahead(predicted, spans, sampled)

@@ -16,14 +16,17 @@ from jaxkv.sampling import rows
 from jaxkv.sampling import sampler as smp
 
 
-def sample_body(logits, cpu_matmul: bool):
+def sample_body(logits, cpu_matmul: bool, token_rows: int = 0):
     """The sampler program's function, to be jitted (static: mode, num_logprobs):
     (params, hidden_rows float [R, hidden_size], SamplingArrays, penalty arrays or None,
     bitmask int32 [R, ceil(V / 32)] or None) -> SamplerOutput. `logits(params, hidden)` is
-    the model's LM head; `cpu_matmul`: the argmax through the C++ kernel."""
+    the model's LM head; `cpu_matmul`: the argmax through the C++ kernel; token_ids padded
+    to `token_rows` rows when R is fewer (so a step run ahead reads them whatever R was:
+    StepInput.prev_sampled)."""
     def _sample_rows(params, hidden_rows, s, pen, bitmask, *, mode, num_logprobs):
-        return smp.sample(logits(params, hidden_rows), s, pen, bitmask, mode=mode,
-                          num_logprobs=num_logprobs, cpu=cpu_matmul)
+        o = smp.sample(logits(params, hidden_rows), s, pen, bitmask, mode=mode,
+                       num_logprobs=num_logprobs, cpu=cpu_matmul)
+        return o._replace(token_ids=smp.pad_rows(o.token_ids, token_rows))
     return _sample_rows
 
 

@@ -68,6 +68,11 @@ class PenaltyArrays(NamedTuple):
     has_allowed: jax.Array    # bool [R]: the row samples only among its allowed_ids
 
 
+def pad_rows(tokens: jax.Array, n: int) -> jax.Array:
+    """int32 tokens [R] padded with zeros to [n] when R < n (else as they are)."""
+    return jnp.pad(tokens.astype(jnp.int32), (0, max(n - tokens.shape[0], 0)))
+
+
 class SamplerOutput(NamedTuple):
     token_ids: jax.Array          # int32 [R]
     logprob: jax.Array            # float32 [R]: raw logprob of the sampled token (if asked)

@@ -93,22 +93,6 @@ def test_budget_chunks_prefill_and_decodes_go_first():
     assert out.scheduled[0].num_computed_tokens == 20
 
 
-def test_scheduler_output_counts_waiting_requests_and_free_seats():
-    """What async scheduling reads to run no step ahead while a waiting request could join."""
-    kv = KVCacheManager(64, 4)
-    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128))
-    for rid in "abc":
-        sched.add_request(Request(rid, list(range(3)), SamplingParams(max_tokens=3), None, 0))
-    out = sched.schedule()  # two seats: a and b run, c waits for a seat
-    assert [s.request_id for s in out.scheduled] == ["a", "b"]
-    assert (out.num_waiting, out.num_free_seats) == (1, 0)
-    sched.update_from_output(out, RunnerOutput({"a": [7], "b": [7]}))
-    sched.finish(sched.requests["a"], RequestStatus.FINISHED_ABORTED)
-    out = sched.schedule()  # a's seat goes to c
-    assert [s.request_id for s in out.scheduled] == ["b", "c"]
-    assert (out.num_waiting, out.num_free_seats) == (0, 0)
-
-
 def test_core_imports_no_jax():
     import subprocess
     code = ("import sys, jaxkv.core.scheduler, jaxkv.core.kv_cache_manager, jaxkv.core.kv_budget;"

@@ -18,6 +18,7 @@ import pytest
 from jaxkv import SamplingParams
 from jaxkv.core.scheduler_output import ScheduledRequest
 from jaxkv.runner import lookahead as la
+from jaxkv.runner.buckets import pick_bucket
 
 PROMPTS = ["The capital of France is", "Write a haiku about rain.", "List three prime numbers:",
            "Once upon a time, a robot", "Explain photosynthesis in one sentence."]
@@ -174,9 +175,10 @@ def test_async_scheduling_is_refused_where_unsupported():
         EngineArgs(async_scheduling="yes")
 
 
-def test_a_request_arriving_while_a_step_runs_ahead_joins_the_step_after_it(llm):
-    """As vLLM's async scheduler: no extra forward for the decodes computed ahead; the new
-    prompt runs next to the decodes of the step after."""
+def test_a_request_arriving_while_a_step_runs_ahead_joins_the_next_step(llm):
+    """As vLLM's async scheduler admits an arrival into the step it schedules next: the
+    decodes computed ahead are taken, the new prompt runs as a program beside them, and the
+    step after (all three decoding) is run ahead from both programs' tokens."""
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     calls = []
     forward = runner.forward
@@ -193,12 +195,16 @@ def test_a_request_arriving_while_a_step_runs_ahead_joins_the_step_after_it(llm)
         assert runner.step_ahead_pending
         engine.add_request("x3", PROMPTS[2], SamplingParams(temperature=0, max_tokens=5))
         calls.clear()
-        engine.step()  # x1, x2 take the step run ahead; x3 waits; nothing runs ahead of it
-        assert calls == [] and engine.scheduler.requests["x3"].status.name == "WAITING"
-        assert not runner.step_ahead_pending
-        engine.step()  # x3's prompt next to the two decodes: one forward (and the next
-        assert engine.scheduler.requests["x3"].status.name == "RUNNING"  # step, run ahead)
-        assert len(calls) == 1 + runner.step_ahead_pending
+        used = runner.num_ahead_used
+        engine.step()  # x1, x2 take the step run ahead; x3's prompt runs; all three run ahead
+        assert engine.scheduler.requests["x3"].status.name == "RUNNING"
+        assert runner.num_ahead_used == used + 1 and runner.step_ahead_pending
+        n = len(engine.tokenize_prompt(PROMPTS[2])[1])
+        assert calls == [pick_bucket(runner.compiled_token_buckets, n),
+                         pick_bucket(runner.compiled_token_buckets, 3)]
+        assert {q.request_id for q in runner._ahead.predicted} == {"x1", "x2", "x3"}
+        engine.step()  # the three decodes taken from the step run ahead: no forward of their own
+        assert runner.num_ahead_used == used + 2 and len(calls) == 3
         while engine.has_unfinished_requests():
             engine.step()
     finally:

@@ -28,9 +28,7 @@ def test_step_updates_the_pool_in_place(llm):
         assert _memory(r, t, bigger).temp_size_in_bytes == mem.temp_size_in_bytes
     # For the decode bucket all temporaries together are smaller than one layer's K cache.
     assert _memory(r, r.token_buckets[0], r.kv_cache).temp_size_in_bytes < layer_bytes
-    si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=r.token_buckets[0],
-                          rows=num_rows(r.token_buckets[0], r.max_num_seqs), max_blocks=r.max_blocks,
-                          rope_table=r.rope_table)
+    si = r.build_inputs(SchedulerOutput([]), r.token_buckets[0])  # (the runner's inputs)
     ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(r.kv_cache)]
     old = r.kv_cache
     r.forward(si)
