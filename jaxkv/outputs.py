@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)  # (one per token or request per step: no __dict__)
 class Logprob:
     """One entry of a logprobs dict: raw model log-probability (natural log), its 1-based rank
     in the vocabulary, and the token's text."""
@@ -14,7 +14,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # (one per token or request per step: no __dict__)
 class RequestMetrics:
     """Monotonic seconds (time.monotonic()); None until the event happened.
     num_generation_tokens: output tokens so far, summed over the n samples. finished_samples:
@@ -29,7 +29,7 @@ class RequestMetrics:
     finished_samples: list[tuple[int, int, float | None, float | None]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)  # (one per token or request per step: no __dict__)
 class CompletionOutput:
     """One of the n samples. token_ids include the EOS or stop token that ended it (as vLLM);
     text does not. finish_reason: "stop" | "length" | "abort" | "error" (a structured-output
@@ -48,7 +48,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)  # (one per token or request per step: no __dict__)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -161,6 +161,10 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return None
         before = self.num_output_tokens if num_output_tokens_before is None else num_output_tokens_before
+        if not self.stop and not stop_terminated and len(new_token_ids) == 1:  # a decode step's
+            self.output_text += self._decoder.step(new_token_ids[0])  # token, no stop strings
+            self.num_output_tokens = before + 1
+            return None
         to_decode = list(new_token_ids)
         if stop_terminated and not self.include_stop_str_in_output:
             to_decode = to_decode[:-1]
