@@ -61,10 +61,9 @@ class ModelRunner:
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # RoPE's (cos, sin) of every position, looked up by each step's StepInput
         self.rope_table = rope_tables(np.arange(self.max_model_len), rope_inv_freq(model.cfg))
-        self.max_logprobs = rc.max_logprobs
+        self.max_logprobs, self.vocab_size = rc.max_logprobs, model.cfg.vocab_size
         spec = config.speculative
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.vocab_size = model.cfg.vocab_size
         # Steps (and sampler calls) of at most this many rows run their matmuls through the
         # C++ kernel (LlamaModel.cpu_matmul); 0 when the model does not use it.
         self.cpu_matmul_max_rows = cpu_linear.MAX_ROWS if model.cpu_matmul else 0
@@ -75,9 +74,6 @@ class ModelRunner:
         self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
         self.expert_load = None  # MoE: int32 [E] on the device, tokens per expert (all steps)
         self.num_blocks = cc.num_blocks
-        # Async scheduling: sampled tokens padded to this many rows, which a step run ahead
-        # reads on the device (StepInput.prev_sampled); 0 without it (no such input).
-        self.prev_rows = self.max_num_seqs if rc.async_scheduling else 0
         self._place(params, rc.tensor_parallel_size)
         self.weights_bytes = sum(sh.bytes_per_device(self.params))  # all shards, as packed
         self.enforce_eager = enforce_eager = rc.enforce_eager
@@ -101,10 +97,11 @@ class ModelRunner:
         self.offload = (KVOffload(self.kv_cache, cc.num_host_blocks, kv_disk_dir)
                         if cc.num_host_blocks else None)
         self.compiles = CompileCounter()  # every program this runner's calls compile
+        # Async scheduling (jaxkv/runner/lookahead.py; off with a mesh, several processes or
+        # drafts): sampled tokens padded to prev_rows rows, read on the device by a step run
+        # ahead (StepInput.prev_sampled); the step run ahead; how many (used: one took it).
+        self.prev_rows = self.max_num_seqs if rc.async_scheduling else 0
         self._make_programs(self.params, enforce_eager)
-        # Async scheduling (jaxkv/runner/lookahead.py; the config turns it off with a mesh,
-        # several processes or speculative decoding). The step dispatched ahead, and how many
-        # were (used: some sequence took its result).
         self.async_scheduling = rc.async_scheduling
         self._ahead: la.Ahead | None = None
         self.num_ahead_dispatched = self.num_ahead_used = self.num_ahead_discarded = 0
