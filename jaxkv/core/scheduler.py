@@ -233,7 +233,7 @@ class Scheduler:
             list(self.kv.get_block_ids(req.request_id)), start + n == req.num_tokens, sp,
             req.seed, req.sample_index, req.num_output_tokens,
             req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
-            targets, req.stop_ids if req.num_output_tokens < sp.min_tokens else [], draft, None,
+            targets, list(req.stop_ids) if req.num_output_tokens < sp.min_tokens else [], draft, None,
             req.bad_words_token_ids)
 
     def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
