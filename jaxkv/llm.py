@@ -7,6 +7,7 @@ import logging
 
 from jaxkv.chat_utils import render_chat
 from jaxkv.engine_args import EngineArgs
+from jaxkv.engine.gc_heap import frozen_heap
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.logger import setup_logging
 from jaxkv.outputs import RequestOutput
@@ -93,12 +94,13 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while engine.has_unfinished_requests():
-                for o in engine.step():
-                    if o.finished:
-                        results[o.request_id] = o
-                        if bar is not None:
-                            bar.update(1)
+            with frozen_heap():  # full collections skip the heap from before (gc_heap.py)
+                while engine.has_unfinished_requests():
+                    for o in engine.step():
+                        if o.finished:
+                            results[o.request_id] = o
+                            if bar is not None:
+                                bar.update(1)
         finally:
             if bar is not None:
                 bar.close()

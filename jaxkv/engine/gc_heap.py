@@ -8,12 +8,15 @@ batch 256 took 15-16 ms of host CPU per step instead of 9 (docs/async-scheduling
 `gc.freeze()` after start-up moves those objects to a permanent generation that no
 collection visits; later garbage is collected as before.
 
-Only for a process that owns its engine (`jaxkv serve`, the benchmarks): a frozen object in a
-reference cycle (an LLM dropped later) is freed only once `release_frozen_heap` unfreezes it.
+`freeze_startup_heap` is for a process that owns its engine (`jaxkv serve`, the benchmarks):
+a frozen object in a reference cycle (an LLM dropped later) is freed only once
+`release_frozen_heap` unfreezes it. `LLM.generate` freezes the heap only while it runs
+(`frozen_heap`), so a user's process keeps its usual collector.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 
@@ -31,3 +34,18 @@ def release_frozen_heap() -> None:
     device buffers with them) goes now."""
     gc.unfreeze()
     gc.collect()
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Within: every object alive at entry frozen, so the full collections a long generate
+    triggers traverse only what it allocates; unfrozen at exit (back in the oldest generation,
+    collected as before). A heap someone froze already is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
