@@ -159,6 +159,24 @@ def test_predict_stops_at_max_model_len():
     assert la.predict(_sched(), 16, 23) is not None
 
 
+def test_plan_leaves_out_sequences_ending_by_length_and_indexes_both_outputs():
+    """Rows of the step run ahead: those going on, in order, each taking its token from its
+    sampler output (0 or 1) and row; one sampling its last token (max_tokens 50 or
+    max_model_len) anywhere in the batch is left out."""
+    a, b = _sched(request_id="a"), _sched(request_id="b", num_output_tokens=49)
+    c = _sched(request_id="c", num_computed_tokens=4, token_ids=[5, 6, 7])  # a prompt's end
+    sources = {"a": (0, 3), "b": (0, 1), "c": (1, 2)}
+    predicted, index = la.plan([a, b, c], sources, 16, 1024, rows=8)
+    assert [q.request_id for q in predicted] == ["a", "c"] and index == [3, 8 + 2]
+    assert (predicted[1].num_computed_tokens, predicted[1].num_output_tokens) == (7, 5)
+    assert [q.request_id for q in la.plan([a, c], sources, 16, 22, rows=8)[0]] == ["c"]
+    assert la.plan([b], sources, 16, 1024, rows=8) is None  # nothing goes on
+    assert la.plan([a, c], {"a": (0, 3)}, 16, 1024, rows=8) is None  # c sampled nothing
+    pen = _sched(request_id="c", sampling_params=SamplingParams(temperature=0, max_tokens=50,
+                                                                repetition_penalty=1.2))
+    assert la.plan([a, pen], sources, 16, 1024, rows=8) is None  # the host decides c's next
+
+
 def test_min_tokens_ban_follows_the_output_count():
     sp = SamplingParams(temperature=0, max_tokens=50, min_tokens=6)
     q = la.predict(_sched(sampling_params=sp, min_tokens_banned_ids=[2]), 16, 1024)
