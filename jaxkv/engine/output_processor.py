@@ -31,6 +31,8 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
+        if len(self.children) == 1:  # (asked for every request every step)
+            return self.children[0].status >= FINISHED
         return all(c.status >= FINISHED for c in self.children)
 
 
@@ -134,6 +136,8 @@ class OutputProcessor:
 
     @staticmethod
     def _newly_finished(g: RequestGroup) -> list[tuple]:
+        if len(g.finished_reported) == len(g.children) or not any(c.status >= FINISHED for c in g.children):
+            return []
         out = []
         for c in g.children:
             if c.status.is_finished and c.sample_index not in g.finished_reported:
