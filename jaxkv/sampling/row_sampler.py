@@ -26,7 +26,7 @@ def sample_body(logits, cpu_matmul: bool, token_rows: int = 0):
     def _sample_rows(params, hidden_rows, s, pen, bitmask, *, mode, num_logprobs):
         o = smp.sample(logits(params, hidden_rows), s, pen, bitmask, mode=mode,
                        num_logprobs=num_logprobs, cpu=cpu_matmul)
-        return o._replace(token_ids=smp.pad_rows(o.token_ids, token_rows))
+        return smp.SamplerOutput(smp.pad_rows(o.token_ids, token_rows), *o[1:])
     return _sample_rows
 
 
