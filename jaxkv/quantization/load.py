@@ -95,7 +95,8 @@ def linear_leaves(spec: QuantSpec, get, prefix: str, n_in: int, out: int) -> dic
         leaves = _pack_quantized_leaves(get, prefix, n_in, out, g, spec.symmetric)
         if spec.act_order:  # the rows (two per byte) unpacked, put in group order, repacked
             q = _unpack_rows(leaves["qweight"])
-            leaves["qweight"] = _pack_rows(_group_order(get, f"{prefix}.weight_g_idx", q, g, leaves))
+            name = f"{prefix}.weight_g_idx"
+            leaves["qweight"] = _pack_rows(_group_order(get(name), name, q, g, leaves))
         return leaves
     if spec.method == "awq":
         qweight = _int32(_shaped(get, f"{prefix}.qweight", (n_in, out // 8)), f"{prefix}.qweight")
@@ -140,26 +141,25 @@ def _pack_quantized_leaves(get, prefix: str, n_in: int, out: int, g: int, symmet
 def _gptq_order(get, prefix: str, q: np.ndarray, g: int, spec: QuantSpec, leaves: dict):
     """GPTQ's g_idx: the rows of q in group order (and "perm" with act-order)."""
     try:
-        get(f"{prefix}.g_idx")
+        g_idx = get(f"{prefix}.g_idx")
     except ValueError:  # no g_idx: the plain order
         if spec.act_order:
             leaves["perm"] = np.arange(q.shape[0], dtype=np.int32)
         return q
     if spec.act_order:
-        return _group_order(get, f"{prefix}.g_idx", q, g, leaves)
-    g_idx = np.asarray(get(f"{prefix}.g_idx")).astype(np.int64)
-    if not np.array_equal(g_idx, np.arange(q.shape[0]) // g):
+        return _group_order(g_idx, f"{prefix}.g_idx", q, g, leaves)
+    if not np.array_equal(np.asarray(g_idx).astype(np.int64), np.arange(q.shape[0]) // g):
         raise ValueError(f"{prefix}.g_idx reorders the inputs but quantization_config.desc_act "
                          "is false")
     return q
 
 
-def _group_order(get, name: str, q: np.ndarray, g: int, leaves: dict) -> np.ndarray:
-    """Act-order: tensor `name` (int [in]) gives each input's group; returns the rows of q
-    [in, out] in group order and sets leaves["perm"] (the inputs in that order, int32 [in]).
-    ValueError naming the tensor when it is missing or does not give every group g inputs."""
+def _group_order(g_idx, name: str, q: np.ndarray, g: int, leaves: dict) -> np.ndarray:
+    """Act-order: `g_idx`, tensor `name` (int [in]), gives each input's group; returns the
+    rows of q [in, out] in group order and sets leaves["perm"] (the inputs in that order,
+    int32 [in]). ValueError naming the tensor when it does not give every group g inputs."""
     n_in = q.shape[0]
-    g_idx = np.asarray(get(name)).astype(np.int64)
+    g_idx = np.asarray(g_idx).astype(np.int64)
     if (g_idx.shape != (n_in,) or g_idx.min() < 0 or g_idx.max() >= n_in // g
             or np.any(np.bincount(g_idx, minlength=n_in // g) != g)):
         raise ValueError(f"{name} does not give every group {g} inputs")

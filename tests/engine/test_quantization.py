@@ -100,6 +100,15 @@ def ct(*weights, fmt="pack-quantized", **group):
                               for i, w in enumerate(weights)}}
 
 
+def getter(tensors: dict):
+    """A checkpoint's `get`: the tensor, or ValueError naming a missing one (as the loaders')."""
+    def get(name):
+        if name not in tensors:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return tensors[name]
+    return get
+
+
 @pytest.mark.parametrize("asked,qc,match", [
     ("awq", None, "quantization='awq' needs a checkpoint"),
     ("gptq", AWQ, "does not match the checkpoint's quantization_config.quant_method 'awq'"),
@@ -125,13 +134,6 @@ def test_bad_tensors_name_the_tensor():
     n_in, out = 96, 64
     spec = QuantSpec("awq", bits=4, group_size=64)
     get = {}.__getitem__
-
-    def getter(tensors):
-        def get(name):
-            if name not in tensors:
-                raise ValueError(f"checkpoint lacks tensor {name!r}")
-            return tensors[name]
-        return get
     with pytest.raises(ValueError, match="group_size 64 does not divide the input dimension 96 of x"):
         linear_leaves(spec, get, "x", n_in, out)
     fp8 = QuantSpec("fp8", checkpoint="fp8")
@@ -211,13 +213,7 @@ def test_bad_pack_quantized_tensors_name_the_tensor():
     n_in, out = 64, 16
     good = {"x.weight_packed": np.zeros((16, 8), np.int32), "x.weight_scale": np.ones((16, 2), np.float32),
             "x.weight_zero_point": np.zeros((2, 2), np.int32), "x.weight_shape": np.array([16, 64])}
-
-    def get(t):
-        def lookup(name):
-            if name not in t:
-                raise ValueError(f"checkpoint lacks tensor {name!r}")
-            return t[name]
-        return lookup
+    get = getter
     asym = QuantSpec("pack-quantized", bits=4, group_size=32, checkpoint="compressed-tensors")
     assert linear_leaves(asym, get(good), "x", n_in, out)["zeros"].shape == (2, 16)
     no_zp = {k: v for k, v in good.items() if k != "x.weight_zero_point"}
