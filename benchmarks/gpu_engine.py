@@ -9,9 +9,10 @@ Rows go to <dir>/5_gpu_engine.jsonl as measured (benchmarks/result_rows.py: $OUT
 benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
   decode   one engine with a token bucket per batch size B; per B, B requests of 128-token
            prompts, once all are past their prefill (a steady batch): engine ms/step and tok/s
-           over N engine steps (LLMEngine.step, async scheduling on), the share of those steps
-           that used a step dispatched ahead (stats().num_async_steps_used), the engine
-           thread's CPU time per step (stats().host_cpu_seconds), the device-only step
+           over N decode steps (LLMEngine.step, async scheduling on; with
+           --num-scheduler-steps k, about N / k engine steps of k decode steps each), the share
+           of engine steps that used a step dispatched ahead (stats().num_async_steps_used), the
+           engine thread's CPU time per decode step (stats().host_cpu_seconds), the device-only step
            (runner.forward, the step program without the LM head and the sampler, as the
            2026-12-04 probe timed it: one prebuilt decode StepInput, `reps` calls back to
            back, one block at the end), and the host's dispatch per call.
@@ -61,10 +62,10 @@ from jaxkv.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 # cut keeps the earlier stages) and the CPU dry run's (token_buckets None: the defaults).
 FULL = dict(batches=[1, 32, 128, 256], prompt_len=128, decode_tokens=32, reps=30,
             kv="24GiB", offline_requests=400, serving_requests=100, serving_rate=20.0,
-            max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None)
+            max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None, k=1)
 DRY = dict(batches=[1, 4], prompt_len=8, decode_tokens=4, reps=3, kv="32MiB",
            offline_requests=12, serving_requests=6, serving_rate=50.0, max_num_seqs=8,
-           max_model_len=256, trace_steps=4, token_buckets=(4, 32))
+           max_model_len=256, trace_steps=4, token_buckets=(4, 32), k=1)
 
 
 def percentile(xs, q: float):
@@ -100,12 +101,13 @@ def device_step(llm, batch: int, context: int, reps: int, vocab: int) -> tuple[f
 
 
 def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
-                  around=contextlib.nullcontext) -> tuple[float, int]:
+                  around=contextlib.nullcontext) -> tuple[float, float, float, int]:
     """Add `ps` (each may write `max_tokens`, more than the steps timed: none finishes while
-    timed), step until every one has its first token (prefill done: a steady batch), time `n`
-    engine steps (inside the context `around()`: a profiler trace), then abort them; returns
-    (seconds, steps of those that used a step dispatched ahead, the engine thread's CPU ms
-    per step)."""
+    timed), step until every one has its first token (prefill done: a steady batch), time
+    engine steps until every one has `n` more tokens (n decode steps: n engine steps, or
+    fewer with multi-step decode; inside the context `around()`: a profiler trace), then
+    abort them; returns (seconds, the share of engine steps that used a step dispatched
+    ahead, the engine thread's CPU ms per decode step, engine steps)."""
     from jaxkv import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"{tag}{i}" for i in range(len(ps))]
@@ -116,15 +118,17 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
         started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
     with around():
         before, t0 = engine.stats(), time.perf_counter()
-        for _ in range(n):
+        goal, steps = before.num_generation_tokens + n * len(ids), 0
+        while engine.num_generation_tokens < goal:
             engine.step()
+            steps += 1
         dt, after = time.perf_counter() - t0, engine.stats()
     used = after.num_async_steps_used - before.num_async_steps_used
     host_ms = 1e3 * (after.host_cpu_seconds - before.host_cpu_seconds) / n
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return dt, used, host_ms
+    return dt, used / steps, host_ms, steps
 
 
 def decode_engine(folder: str, p: dict, backend: str):
@@ -135,8 +139,8 @@ def decode_engine(folder: str, p: dict, backend: str):
     from jaxkv import LLM
     b = max(p["batches"])
     budget = max(b, min(b * p["prompt_len"], 4096))
-    most = p["decode_tokens"] + 2 * -(-b * p["prompt_len"] // budget) + 8  # none ends while timed
-    llm = LLM(model=folder, load_format="dummy", attention_backend=backend,
+    most = p["decode_tokens"] + 2 * -(-b * p["prompt_len"] // budget) + 8 + 2 * p["k"]  # none ends
+    llm = LLM(model=folder, load_format="dummy", attention_backend=backend, num_scheduler_steps=p["k"],
               max_model_len=p["prompt_len"] + most, max_num_seqs=b, max_num_batched_tokens=budget,
               token_buckets=tuple(sorted({*p["batches"], budget})), enable_prefix_caching=False,
               kv_cache_memory_bytes=p["kv"])
@@ -149,12 +153,12 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows) -> None:
     n = p["decode_tokens"]
     ps = prompts(np.random.default_rng(b), b, p["prompt_len"], cfg["vocab_size"])
     steady_decode(llm.llm_engine, ps, 2, "warm", most)  # the sampler's programs compile here
-    dt, used, host_ms = steady_decode(llm.llm_engine, ps, n, "run", most)
+    dt, used, host_ms, steps = steady_decode(llm.llm_engine, ps, n, "run", most)
     context = min(p["prompt_len"] + 32, llm.llm_engine.max_model_len - 1)  # the 12-04 probe's 160
     step_ms, dispatch_ms = device_step(llm, b, context, p["reps"], cfg["vocab_size"])
     rows.add(stage="decode", batch=b, engine_ms_per_step=round(1e3 * dt / n, 3),
-             tok_per_s=round(b * n / dt, 1), steps_dispatched_ahead=round(used / n, 3),
-             host_cpu_ms_per_step=round(host_ms, 3),
+             tok_per_s=round(b * n / dt, 1), steps_dispatched_ahead=round(used, 3),
+             host_cpu_ms_per_step=round(host_ms, 3), num_scheduler_steps=p["k"], engine_steps=steps,
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), device=str(jax.devices()[0]))
 
@@ -344,10 +348,12 @@ def main(argv=None) -> None:
     ap.add_argument("--attention-backend", help="default: auto (pallas on the dry run)")
     ap.add_argument("--prompt-len", type=int, help="the decode stage's prompt length")
     ap.add_argument("--kv-cache-memory-bytes", help="each engine's KV pool (default 24GiB)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="the decode stage's multi-step decode k (jaxkv/runner/multi_step.py)")
     a = ap.parse_args(argv)
     p, backend = (DRY, "pallas") if a.cpu_dry_run else (FULL, "auto")
     given = (("batches", a.batches), ("decode_tokens", a.decode_tokens),
-             ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes))
+             ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes), ("k", a.num_scheduler_steps))
     p = {**p, **{k: v for k, v in given if v is not None}}
     backend = a.attention_backend or backend
     os.environ.setdefault("JAXKV_COMPILATION_CACHE", "0")  # the warmup row: a cold start

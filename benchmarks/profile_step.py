@@ -8,7 +8,7 @@ engine's embedded SmolLM2 (float32, default CPU engine) is given one SchedulerOu
 shape, and these are timed (median of --reps calls after a warmup call):
   host        runner.build_inputs: the padded StepInput on the host (Python + numpy)
   step        runner.forward: the jitted step (matmuls, K/V write, attention, norms, RoPE)
-  sample      runner.execute - forward - build_inputs, fused greedy sampling off: the
+  sample      runner.execute - forward - build_inputs, fused sampling off: the
               sampled rows' logits, sampling and the transfer of the tokens back
   matmuls     every layer's 7 weight matmuls at the step's T rows (jitted alone), as the
               model runs and chains them (each layer's input is the last one's output): the
@@ -70,11 +70,11 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     row = {"shape": f"{num_seqs}x{context}x{tokens}", "bucket": t, "temperature": temperature}
     row["host_ms"] = median_ms(lambda: runner.build_inputs(out), reps)
     row["step_ms"] = median_ms(lambda: runner.forward(si), reps)
-    fused, runner.fused_greedy_max_tokens = runner.fused_greedy_max_tokens, 0
-    try:  # the separate sampler programs, as the column says (not fused greedy sampling)
+    fused, runner.fused_sampling_max_tokens = runner.fused_sampling_max_tokens, 0
+    try:  # the separate sampler programs, as the column says (not fused sampling)
         execute = median_ms(lambda: runner.execute(out).sampled, reps)
     finally:
-        runner.fused_greedy_max_tokens = fused
+        runner.fused_sampling_max_tokens = fused
     row["sample_ms"] = max(0.0, execute - row["step_ms"] - row["host_ms"])
 
     rng = np.random.default_rng(seed)

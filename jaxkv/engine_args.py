@@ -95,6 +95,10 @@ class EngineArgs:
         "so scheduling, detokenizing and stop checks overlap the device; default: on where "
         "supported (one process without tensor parallelism), as vLLM (see "
         "docs/async-scheduling.md)")
+    num_scheduler_steps: int = _arg(
+        1, "decode steps per engine step: k > 1 runs up to k steps of a batch of plain decodes "
+        "(no logprobs, penalties, logits filters or grammar) in one program, fed back on the "
+        "device, as vLLM V0's multi-step scheduling (docs/async-scheduling.md#multi-step-decode)")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
     attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (ragged paged "
                                   "attention in C++, built on first use with g++; xla, pure "
@@ -167,6 +171,11 @@ class EngineArgs:
             bad("block_size", "must be a power of two")
         pos_int("max_model_len", True)
         pos_int("max_num_seqs")
+        pos_int("num_scheduler_steps")
+        if self.num_scheduler_steps > 1 and (self.tensor_parallel_size != 1 or (self.num_processes or 1) > 1
+                                             or SpeculativeConfig.from_value(self.speculative_config)):
+            bad("num_scheduler_steps", "above 1 is not supported with tensor_parallel_size > 1, "
+                "num_processes > 1 or speculative decoding yet")
         pos_int("max_num_batched_tokens", True)
         pos_int("num_gpu_blocks_override", True)
         if self.max_num_batched_tokens is not None:

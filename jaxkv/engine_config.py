@@ -66,6 +66,8 @@ class SchedulerConfig:
     # Slots allocated past a sampling request's tokens when they cost no preemption (async
     # scheduling: the step dispatched ahead writes its next token there; vLLM's lookahead)
     num_lookahead_tokens: int = 0
+    # Multi-step decode (jaxkv/runner/multi_step.py): decode steps one engine step may run
+    num_scheduler_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,8 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc, cache=cache,
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode,
-                                  num_lookahead_tokens=int(runner.async_scheduling)),
+                                  num_lookahead_tokens=int(runner.async_scheduling),
+                                  num_scheduler_steps=args.num_scheduler_steps),
         runner=runner,
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))

@@ -4,9 +4,9 @@ The runner builds it on the host from a SchedulerOutput (jaxkv/runner/input_buil
 numpy only) and passes it straight into the jitted step; the model and the attention backend
 read its fields. `decode_only` is static (a pytree meta field): a step whose every sequence has
 exactly one query token compiles its own program per token bucket, so the attention backend
-can pick its decode kernel at trace time. `fuse_greedy` is data: the runner sets it when the
-step's sampled rows are all plain greedy and its program takes their argmax itself
-(jaxkv/sampling/fused_greedy.py).
+can pick its decode kernel at trace time. `sample_mode` and `sampling` are data: in the
+step programs that fuse sampling, the runner sets them when the step's sampled rows are all
+plain and its program samples their tokens itself (jaxkv/sampling/fused_sampling.py).
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ class StepInput:
     # layer's RoPE and recomputed them for each head: 4-5 ms of a 64-sequence decode step)
     rope_cos: Array
     rope_sin: Array
-    # [1]: 1 = the program also returns the argmax of each sequence's last row's logits
-    # (fused greedy sampling, in the programs of the smallest buckets); 0 = it skips that
-    fuse_greedy: Array = dataclasses.field(default_factory=lambda: np.zeros(1, np.int32))
+    # Fused sampling (jaxkv/sampling/fused_sampling.py), in the programs that have it: [1],
+    # 0 = no token is sampled in the program (the LM head is skipped), 1-3 = each sequence's
+    # last row is sampled in sampler.MODES[mode - 1] with `sampling` (the sampler's per-row
+    # parameters, [R] each: row i = sequence i); `sampling` None: a program without it.
+    sample_mode: Array = dataclasses.field(default_factory=lambda: np.zeros(1, np.int32))
+    sampling: object = None  # jaxkv.sampling.sampler.SamplingArrays or None
     # Async scheduling (jaxkv/runner/lookahead.py): a step dispatched before the previous
     # steps' sampled tokens reach the host takes them on the device. prev_sampled: two int32
     # [P] token arrays (those steps' sampler outputs, padded to P = max_num_seqs rows; the

@@ -32,6 +32,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
+from .multi_step import multi_steps
 from .request import Request, RequestStatus
 from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
@@ -120,12 +121,15 @@ class Scheduler:
 
         if self.config.num_lookahead_tokens:  # async scheduling's next position, when free
             self._allocate_lookahead(chosen)
+        steps = (multi_steps(chosen, self.kv, self.config.num_scheduler_steps, self.config.max_model_len)
+                 if self.config.num_scheduler_steps > 1 else {})
         # Drafts last: they take only the budget that every request's own tokens left over.
         drafts = {}
         limit = self.proposer.disable_by_batch_size if self.proposer else None
         if self.proposer and budget > 0 and (limit is None or len(self.running) < limit):
             drafts = self._propose_drafts(chosen, budget)
-        scheduled = [self._describe(req, n, drafts.get(req.request_id, [])) for req, n in chosen]
+        scheduled = [self._describe(req, n, drafts.get(req.request_id, []), steps.get(req.request_id, 1))
+                     for req, n in chosen]
         rows = [(s, req.grammar) for (req, _), s in zip(chosen, scheduled)
                 if s.sample and req.grammar is not None and req.grammar.matcher is not None]
         if rows:  # each constrained sequence that samples gets its allowed-token row
@@ -220,7 +224,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _describe(self, req: Request, n: int, draft: list[int]) -> ScheduledRequest:
+    def _describe(self, req: Request, n: int, draft: list[int], num_steps: int = 1) -> ScheduledRequest:
         start = req.num_computed_tokens
         n -= len(draft)  # the request's own tokens
         sp = req.sampling_params
@@ -234,7 +238,7 @@ class Scheduler:
             req.seed, req.sample_index, req.num_output_tokens,
             req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
             targets, list(req.stop_ids) if req.num_output_tokens < sp.min_tokens else [], draft, None,
-            req.bad_words_token_ids)
+            req.bad_words_token_ids, num_steps)
 
     def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
         """Give back req's blocks: it computes again from its first token (or a prefix hit)."""
@@ -271,7 +275,7 @@ class Scheduler:
             if s.spec_token_ids and tokens:
                 rejected = len(s.spec_token_ids) - (len(tokens) - 1)
                 self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
-            req.num_computed_tokens += s.num_scheduled_tokens - rejected
+            req.num_computed_tokens += s.num_scheduled_tokens + s.num_steps - 1 - rejected
             if rejected:
                 self.kv.trim(req, req.num_computed_tokens)
             kids = self.pending_forks.get(req.request_id)
@@ -390,3 +394,4 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """False (nothing dropped) while any request holds blocks, as vLLM."""
         return self.kv.reset_prefix_cache()
+

@@ -28,7 +28,9 @@ class ScheduledRequest:
     chunk yields (empty when not asked). spec_token_ids: the draft tokens (speculative
     decoding), the last len(spec_token_ids) of token_ids; the runner samples each of the
     1 + len(spec_token_ids) last positions. grammar_bitmask: a constrained sequence's allowed
-    next tokens (bit t % 32 of word t // 32), set only when it samples.
+    next tokens (bit t % 32 of word t // 32), set only when it samples. num_steps: decode
+    steps this engine step runs for the sequence (multi-step decode, jaxkv/runner/multi_step.py:
+    one token scheduled, num_steps positions computed and sampled from it on); else 1.
     """
     request_id: str
     token_ids: list[int]
@@ -46,6 +48,7 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     grammar_bitmask: Any = None  # structured outputs: int32 [ceil(V / 32)] allowed tokens
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words
+    num_steps: int = 1
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -185,7 +185,7 @@ def build_model(config, mesh):
     from jaxkv.attention import get_attention
     from jaxkv.cpu_kernels import linear as cpu_linear
     from jaxkv.models.llama import LlamaModel
-    from jaxkv.sampling import fused_greedy
+    from jaxkv.sampling import fused_sampling
 
     mc, rc = config.model_config, config.runner
     cpu_matmul = cpu_matmul_wanted(rc, mesh)
@@ -203,9 +203,9 @@ def build_model(config, mesh):
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul,
                        quant=rc.quantization)
-    if fused_greedy.max_tokens(model):
-        logger.info("greedy sampling fused into the step programs of token buckets <= %d",
-                    fused_greedy.max_tokens(model))
+    if fused_sampling.max_tokens(rc.tensor_parallel_size):
+        logger.info("sampling fused into the step programs (plain steps: no logprobs, "
+                    "penalties, logits filters, grammar or drafts)")
     return model
 
 

@@ -44,11 +44,11 @@ class EngineStats:
     # Steps (and sampler calls) of at most this many rows run their float32 matmuls through
     # jaxkv's C++ kernel (the cpu backend on one device; jaxkv/cpu_kernels/linear.py); 0: off.
     cpu_matmul_max_rows: int = 0
-    # Fused greedy sampling (jaxkv/sampling/fused_greedy.py): the step programs of token buckets
-    # up to this size take a plain greedy step's argmax themselves (0: none do), and the steps
-    # that sampled that way.
-    fused_greedy_max_tokens: int = 0
-    num_fused_greedy_steps: int = 0
+    # Fused sampling (jaxkv/sampling/fused_sampling.py): the step programs of token buckets up
+    # to this size sample a plain step's tokens themselves (0: none do; 2**30: every bucket),
+    # and the steps that sampled that way.
+    fused_sampling_max_tokens: int = 0
+    num_fused_sampling_steps: int = 0
     # Async scheduling (jaxkv/runner/lookahead.py): on or off, decode steps dispatched ahead
     # of the scheduler, those whose result some sequence took (used) and those none did
     # (discarded: every sequence changed course, e.g. all stopped), each counted when the next
@@ -57,6 +57,10 @@ class EngineStats:
     num_async_steps: int = 0
     num_async_steps_used: int = 0
     num_async_steps_discarded: int = 0
+    # Multi-step decode (jaxkv/runner/multi_step.py): num_scheduler_steps, and the engine
+    # steps that ran more than one decode step in one program.
+    num_scheduler_steps: int = 1
+    num_multi_steps: int = 0
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step
     compiled_token_buckets: tuple[int, ...] = ()  # those compiled so far: steps pad to these
     # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off): requests

@@ -71,7 +71,8 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
     empty = SchedulerOutput([])
     si = build_step_input(empty, block_size=runner.block_size, num_tokens=t, rows=r,
                           max_blocks=runner.max_blocks, rope_table=runner.rope_table,
-                          prev_rows=runner.prev_rows)
+                          prev_rows=runner.prev_rows,
+                          fused_sampling=t <= runner.fused_program_max_tokens)
     tp = getattr(runner, "mesh", None) is not None
     params = abstract(runner.params, tp)
     programs = runner.programs

@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 
 from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.sampling.rows import sampling_arrays
 from jaxkv.step_input import StepInput
 
 
@@ -22,7 +23,8 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray
 
 def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, rows: int,
                      max_blocks: int, rope_table: tuple[np.ndarray, np.ndarray],
-                     mark_decode_only: bool = False, prev_rows: int = 0) -> StepInput:
+                     mark_decode_only: bool = False, prev_rows: int = 0,
+                     fused_sampling: bool = False) -> StepInput:
     """The padded arrays of `out` (shapes in StepInput: T = num_tokens, R = rows,
     B = max_blocks; the rotary tables looked up by position in `rope_table`, the model's
     (cos, sin) of positions 0 .. max_model_len - 1, float32 [max_model_len, head_dim / 2],
@@ -30,7 +32,9 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
     `mark_decode_only`: set StepInput.decode_only when every scheduled sequence has exactly
     one query token (only for attention backends that use it: each value is a program of
     its own). `prev_rows` P > 0 (async scheduling): prev_sampled two zero arrays [P] and
-    prev_index all -1 (no row from an earlier step: a step run ahead sets its own)."""
+    prev_index all -1 (no row from an earlier step: a step run ahead sets its own).
+    `fused_sampling` (a bucket whose program samples, jaxkv/sampling/fused_sampling.py):
+    StepInput.sampling holds padding rows [R] (sample_mode 0: nothing sampled there)."""
     i32, sched = np.int32, out.scheduled
     m = len(sched)  # vectorized over the step's sequences: no numpy call per sequence
     n = np.fromiter((len(sr.token_ids) for sr in sched), i32, m)
@@ -61,7 +65,8 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
     cos, sin = rope_table[0][pos], rope_table[1][pos]
     prev = (_zeros(prev_rows),) * 2 if prev_rows else None
     return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([m], i32),
-                     logits_idx, cos, sin, np.zeros(1, i32), prev,
+                     logits_idx, cos, sin, np.zeros(1, i32),
+                     _padding_sampling(rows) if fused_sampling else None, prev,
                      np.full(num_tokens, -1, i32) if prev_rows else None, decode_only=decode_only)
 
 
@@ -70,3 +75,11 @@ def _zeros(n: int) -> np.ndarray:
     z = np.zeros(n, np.int32)
     z.flags.writeable = False  # shared by every step
     return z
+
+
+@functools.lru_cache(maxsize=8)
+def _padding_sampling(r: int):
+    s = sampling_arrays([], r)
+    for a in s:
+        a.flags.writeable = False  # shared by every step
+    return s

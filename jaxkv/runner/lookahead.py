@@ -63,10 +63,11 @@ class Ahead:
 
 
 def _host_free(s: ScheduledRequest) -> bool:
-    """Whether `s` samples one token and its next step's inputs do not depend on that token
-    on the host (no history penalties, bad_words, grammar, drafts or prompt logprobs)."""
+    """Whether `s` samples one token (one step) and its next step's inputs do not depend on
+    that token on the host (no history penalties, bad_words, grammar, drafts or prompt
+    logprobs)."""
     p = s.sampling_params
-    return (s.sample and not s.spec_token_ids and s.prompt_token_ids is None
+    return (s.sample and s.num_steps == 1 and not s.spec_token_ids and s.prompt_token_ids is None
             and s.output_token_ids is None and s.grammar_bitmask is None
             and not s.prompt_logprob_targets and getattr(p, "structured_outputs", None) is None
             and not getattr(p, "bad_words", None) and not p.has_penalties)

@@ -1,16 +1,13 @@
 """ModelRunner: owns the params and the KV pool, packs each step's arrays, runs the jitted step.
 
 The step `(params, kv_cache, StepInput) -> (hidden, kv_cache)` is ONE jitted function whose
-KV pool argument is donated, so XLA updates the pool in place; the pool is allocated once here
-and never copied or reallocated. It is compiled ahead of time per token bucket (and, for an
-attention backend with a decode kernel, per bucket once more for decode-only steps; see
-jaxkv/runner/compiler.py): the warmup buckets before the engine is ready, the others in a
-background thread, and each step is padded to the smallest bucket compiled so far. Logits of
-each sequence's last row (and of its draft rows, jaxkv/sampling/rows.py) and sampling
-run in a second, small jitted function (`sample`; dispatched and read back by the runner's
-RowSampler, jaxkv/sampling/row_sampler.py), so sampler variants do not multiply the
-model's programs; except that the smallest buckets' step programs take a plain greedy step's
-argmax themselves (jaxkv/sampling/fused_greedy.py).
+KV pool is donated (updated in place, never copied), compiled ahead of time per token bucket
+(and per bucket once more for decode-only steps with a decode kernel; compiler.py): the
+warmup buckets before the engine is ready, the others in a background thread; a step pads to
+the smallest bucket compiled so far. A plain step samples inside it
+(jaxkv/sampling/fused_sampling.py); logprobs, penalties, grammar and draft rows run in small
+sampler programs (RowSampler, jaxkv/sampling/row_sampler.py), so those variants do not
+multiply the model's programs. Multi-step decode: jaxkv/runner/multi_step.py.
 """
 
 from __future__ import annotations
@@ -29,13 +26,14 @@ from jaxkv.cpu_kernels import linear as cpu_linear
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models.llama import LlamaModel, rope_inv_freq
 from jaxkv.runner import lookahead as la
+from jaxkv.runner import multi_step as ms
 from jaxkv.models import sharding as sh
 from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_bucket
 from jaxkv.runner.input_builder import build_step_input, rope_tables
 from jaxkv.runner.kv_offload import KVOffload
-from jaxkv.sampling import fused_greedy as fg
+from jaxkv.sampling import fused_sampling as fs
 from jaxkv.sampling import rows
 from jaxkv.sampling import sampler as smp
 from jaxkv.sampling.row_sampler import RowSampler, prompt_logprobs_body, sample_body
@@ -67,11 +65,11 @@ class ModelRunner:
         # Steps (and sampler calls) of at most this many rows run their matmuls through the
         # C++ kernel (LlamaModel.cpu_matmul); 0 when the model does not use it.
         self.cpu_matmul_max_rows = cpu_linear.MAX_ROWS if model.cpu_matmul else 0
-        # Step programs of at most this many tokens also return a plain greedy step's argmax
-        # (jaxkv/sampling/fused_greedy.py).
-        self.fused_greedy_max_tokens = fg.max_tokens(model)
-        self.num_fused_greedy_steps = 0  # steps dispatched that way (run-ahead ones included)
-        self.last_greedy_tokens = None  # the last forward()'s fused greedy output, if any
+        # Step programs of at most this many tokens sample a plain step's tokens themselves
+        # (jaxkv/sampling/fused_sampling.py); 0 at run time: off, the programs unchanged.
+        self.fused_sampling_max_tokens = self.fused_program_max_tokens = fs.max_tokens(rc.tensor_parallel_size)
+        self.num_fused_sampling_steps = 0  # steps dispatched that way (run-ahead ones included)
+        self.last_sampled_tokens = None  # the last forward()'s fused sampling output, if any
         self.expert_load = None  # MoE: int32 [E] on the device, tokens per expert (all steps)
         self.num_blocks = cc.num_blocks
         self._place(params, rc.tensor_parallel_size)
@@ -148,13 +146,16 @@ class ModelRunner:
                                 static_argnames=("num_logprobs",), **out))
         self.sampler = RowSampler(self.programs, vocab_size=self.vocab_size,
                                   max_model_len=self.max_model_len, max_logprobs=self.max_logprobs)
+        k = self.config.scheduler.num_scheduler_steps
+        self.multi_step = (ms.MultiStep(self.step_fn, k, self.block_size, self.rope_table,
+                                        self.compiles, jit) if k > 1 else None)
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
         """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
         [T, hidden_size], pool with this step's K/V written, extras): extras["greedy"] in
-        buckets of at most fused_greedy_max_tokens tokens, int32 [R], the argmax of each
-        sequence's last row's logits when step.fuse_greedy is set (else zeros);
+        extras["sampled"] in programs that fuse sampling (step.sampling given), int32 [P or R],
+        each sequence's last row's token (zeros when step.sample_mode is 0);
         extras["expert_load"] for a mixture of experts, int32 [E], the real tokens each
         expert took this step summed over the MoE layers (jaxkv/models/moe.py)."""
         extras = {}
@@ -166,15 +167,14 @@ class ModelRunner:
             extras["expert_load"] = jnp.sum(jnp.stack(loads), axis=0)
         else:
             hidden, kv_cache = self.model.apply({"params": params}, step, kv_cache)
-        if step.num_tokens <= self.fused_greedy_max_tokens:
-            extras["greedy"] = smp.pad_rows(
-                fg.greedy_tokens(lambda h: self._logits(params, h), hidden, step), self.prev_rows)
+        if step.sampling is not None:
+            extras["sampled"] = smp.pad_rows(fs.sampled_tokens(
+                lambda h: self._logits(params, h), hidden, step, self.model.cpu_matmul), self.prev_rows)
         return hidden, kv_cache, extras
 
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
 
-    # ---- sampler rows -------------------------------------------------------------------
     def sample_rows(self, t: int, n: int = 0) -> int:
         """Sampler rows of a token-bucket-t step that samples n rows: min(t, max_num_seqs),
         every sequence's last row; more only with draft rows (speculative decoding): the next
@@ -187,7 +187,6 @@ class ModelRunner:
         most = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
         return tuple(sorted({self.sample_rows(t, n) for n in (0, *range(1, most + 1))}))
 
-    # ---- bookkeeping --------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
         """XLA programs this runner compiled (or loaded from the persistent cache), warmup
@@ -212,17 +211,18 @@ class ModelRunner:
         return build_step_input(out, block_size=self.block_size, num_tokens=t,
                                 rows=num_rows(t, self.max_num_seqs), max_blocks=self.max_blocks,
                                 rope_table=self.rope_table,
-                                mark_decode_only=self.mark_decode_only, prev_rows=self.prev_rows)
+                                mark_decode_only=self.mark_decode_only, prev_rows=self.prev_rows,
+                                fused_sampling=t <= self.fused_program_max_tokens)
 
     def forward(self, step: StepInput) -> jax.Array:
         """Run the jitted step: write the step's K/V into the pool (donated, updated in place)
         and return hidden float [T, hidden_size] (after the final norm). The step program of
         (T, step.decode_only) is compiled ahead of time (warmup or the background compiler),
-        or here on first use when no warmup ran. `last_greedy_tokens` is then the program's
-        fused greedy output (int32 [R]; None in buckets without one)."""
+        or here on first use when no warmup ran. `last_sampled_tokens` is then the program's
+        fused sampling output (int32 [P or R]; None in programs without one)."""
         with self.compiles:
             hidden, self.kv_cache, extras = self._run_step(self.params, self.kv_cache, step)
-        self.last_greedy_tokens = extras.get("greedy")
+        self.last_sampled_tokens = extras.get("sampled")
         if "expert_load" in extras:  # a device add: nothing waits for it
             load = extras["expert_load"]
             self.expert_load = load if self.expert_load is None else self.expert_load + load
@@ -243,15 +243,13 @@ class ModelRunner:
         dtype = jnp.dtype(self.config.runner.kv_cache_dtype)  # the weights' or narrower
         if self.mesh is None:
             return new_kv_pool(shape, dtype)
-        shardings = sh.kv_pool_shardings(jax.eval_shape(lambda: new_kv_pool(shape, dtype)),
-                                         self.model.cfg, self.mesh)
+        shardings = sh.kv_pool_shardings(jax.eval_shape(lambda: new_kv_pool(shape, dtype)), c, self.mesh)
         return jax.jit(lambda: new_kv_pool(shape, dtype), out_shardings=shardings)()  # per shard
 
     def recover_kv_cache(self) -> bool:
-        """After a failed step: True when the KV pool did not survive it (donated to a program
-        that failed, or holding its error) and was reallocated as zeros; False when it is
-        intact. Every block's contents are gone when True. A multi-process leader tells its
-        followers to check theirs."""
+        """After a failed step: True when the KV pool did not survive it (donated to a failed
+        program, or holding its error) and was reallocated as zeros (every block's contents
+        gone); False when intact. A multi-process leader tells its followers to check theirs."""
         self.num_ahead_discarded += self._ahead is not None
         self._ahead = None
         if self.leader is not None:
@@ -270,9 +268,9 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, bucket: int | None = None) -> RunnerOutput:
         """One step: inputs, the jitted step, then sampling (and prompt logprobs) of its rows.
-        `bucket`: the token bucket to pad to (a follower of a multi-process engine is given
-        the leader's; default: pick_bucket). On a multi-process leader the step goes to the
-        followers first (jaxkv/runner/multiprocess.py), so all run it together."""
+        `bucket`: the token bucket to pad to (a multi-process follower is given the leader's;
+        default: pick_bucket). A multi-process leader sends the step to its followers first
+        (jaxkv/runner/multiprocess.py)."""
         if self.leader is not None:
             t = self.pick_bucket(out)
             return self.leader.run(out, t, lambda: self._execute(out, t))
@@ -285,6 +283,10 @@ class ModelRunner:
         if not out.scheduled:
             self.num_ahead_discarded += ahead is not None
             return RunnerOutput()
+        if self.multi_step is not None and self.multi_step.wanted(out):  # several decode steps
+            self.num_ahead_discarded += ahead is not None
+            res, self.kv_cache = self.multi_step.execute(self.params, self.kv_cache, out, self.build_inputs(out))
+            return res
         # Async scheduling (jaxkv/runner/lookahead.py): what the step dispatched ahead
         # computed is taken as it is; the rest runs now.
         reuse, rest = ahead.split(out.scheduled) if ahead is not None else ([], out.scheduled)
@@ -348,17 +350,19 @@ class ModelRunner:
 
     def _step_and_sample(self, scheduled, si: StepInput):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
-        the sampler's output still on the device; None when nothing samples). A plain greedy
-        step of a small bucket samples inside its own program (jaxkv/sampling/fused_greedy.py)."""
-        fused = fg.fusable(scheduled, si.num_tokens, self.fused_greedy_max_tokens)
+        the sampler's output still on the device; None when nothing samples). A plain step
+        samples inside its own program (jaxkv/sampling/fused_sampling.py)."""
+        fused = si.sampling is not None and fs.fusable(scheduled, si.num_tokens,
+                                                       self.fused_sampling_max_tokens)
         if fused:
-            si = dataclasses.replace(si, fuse_greedy=fg.ON)
+            spans = fs.spans(scheduled)
+            si = dataclasses.replace(si, sample_mode=fs.mode_index(spans),
+                                     sampling=rows.sampling_arrays(spans, len(si.seq_lens)))
         hidden = self.forward(si)
-        fused = fused and self.last_greedy_tokens is not None  # a program traced without it
         if fused:
-            self.num_fused_greedy_steps += 1
-            tokens = self.last_greedy_tokens
-            return hidden, fg.spans(scheduled), smp.SamplerOutput(tokens, None, None, None, None)
+            self.num_fused_sampling_steps += 1
+            tokens = self.last_sampled_tokens
+            return hidden, spans, smp.SamplerOutput(tokens, None, None, None, None)
         with self.compiles:
             spans, idx = rows.layout(scheduled, si.query_start_loc)
             sampled = (self.sampler.dispatch(self.params, hidden, spans, idx,

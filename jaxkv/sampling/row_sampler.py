@@ -56,9 +56,7 @@ class RowSampler:
         jaxkv.sampling.rows.Span) padded to `r` sampler rows; returns the sampler's output,
         still on the device."""
         sp = [x.sched.sampling_params for x in spans]
-        greedy = all(p.temperature < smp.GREEDY_EPS for p in sp)
-        filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in sp if p.temperature >= smp.GREEDY_EPS)
-        mode = "greedy" if greedy else ("filtered" if filtered else "random")
+        mode = rows.sampler_mode(sp)
         want_lp = any(p.logprobs is not None for p in sp)
         s_arr = rows.sampling_arrays(spans, r)
         pen = (rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len)

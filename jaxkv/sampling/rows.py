@@ -169,6 +169,16 @@ def _width(n: int, smallest: int) -> int:
     return width
 
 
+def sampler_mode(params) -> str:
+    """The sampler mode (sampler.MODES) of rows with SamplingParams `params`: "greedy" when
+    every row is greedy, "filtered" when a random row asks for top-k or top-p, else
+    "random"."""
+    if all(p.temperature < smp.GREEDY_EPS for p in params):
+        return "greedy"
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params if p.temperature >= smp.GREEDY_EPS)
+    return "filtered" if filtered else "random"
+
+
 def needs_penalties(s) -> bool:
     """Penalties, the min_tokens ban (the scheduler lists the banned stop ids only while
     fewer than min_tokens outputs exist, as vLLM's MinTokensLogitsProcessor), logit_bias,

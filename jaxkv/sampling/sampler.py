@@ -166,7 +166,7 @@ def apply_bitmask(logits, bitmask):
 
 def argmax_tokens(logits, *, cpu: bool = False):
     """int32 [R]: each row's argmax of logits float32 [R, V], the token of a greedy row; the
-    fused greedy step programs use this too (jaxkv/sampling/fused_greedy.py).
+    fused sampling of the step programs runs this sampler too (jaxkv/sampling/fused_sampling.py).
 
     jnp.argmax's result exactly (the first index on ties, -0.0 equal to 0.0; a NaN counts as
     the largest, the first NaN wins), computed as two integer reductions: each logit as an

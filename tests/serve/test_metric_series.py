@@ -34,9 +34,9 @@ def test_spec_decode_counters_and_per_position():
     assert not [k for k in scrape(IDLE) if "spec_decode" in k[0]]  # off: no spec series
 
 
-def test_fused_greedy_steps_counter():
+def test_fused_sampling_steps_counter():
     lab = (("model_name", "m"),)
-    assert scrape(replace(IDLE, num_fused_greedy_steps=7))[("jaxkv:fused_greedy_steps_total", lab)] == 7
+    assert scrape(replace(IDLE, num_fused_sampling_steps=7))[("jaxkv:fused_sampling_steps_total", lab)] == 7
 
 
 def test_request_token_and_tpot_histograms():

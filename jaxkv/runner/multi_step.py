@@ -1,0 +1,134 @@
+"""Multi-step decode (vLLM V0's `--num-scheduler-steps k`): up to k decode steps of a batch in
+one program, each step's sampled tokens fed back on the device.
+
+The scheduler gives a step of plain decodes (one token each; sampling without logprobs,
+penalties, logits filters, min_tokens ban or grammar) up to k steps per sequence
+(ScheduledRequest.num_steps: within max_tokens, max_model_len and the blocks it could
+allocate). The program runs k iterations of the step program's own function (the model and
+its fused sampling, jaxkv/sampling/fused_sampling.py) in a `lax.fori_loop`: iteration j
+computes each sequence's position p + j, writes its K/V there, samples its token with the
+sampler's per-request key at output position num_output_tokens + j, and feeds that token to
+iteration j + 1. Positions, slots, context lengths and RoPE tables of every iteration are
+computed on the host (`plan_arrays`): a sequence past its num_steps repeats its last
+position with its K/V sent to the null block's slot 0, and its tokens there are dropped.
+The host gets [k, R] tokens back; the scheduler appends each sequence's tokens up to its
+first stop (EOS, a stop token, max_tokens; a stop string is found by the output processor),
+as it appends accepted drafts, so no token past a stop is ever emitted. The tokens equal
+single-step decoding's (tests/runner/test_multi_step.py).
+
+What it saves: the host's work per step (schedule, inputs, dispatch, read-back) is paid once
+per k decode steps, and the device goes from one decode step to the next without a host
+round trip. What it costs: a prompt that arrives waits for the k steps to end (its TTFT),
+and tokens reach the client k at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
+from jaxkv.sampling import fused_sampling as fs
+from jaxkv.sampling import rows
+from jaxkv.sampling import sampler as smp
+from jaxkv.step_input import StepInput, input_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanArrays:
+    """Per-iteration inputs of a k-step program (numpy on the host; k iterations, T token
+    rows, R sequence rows, D head_dim): each replaces StepInput's field of the same name."""
+    positions: np.ndarray     # int32 [k, T]
+    slot_mapping: np.ndarray  # int32 [k, T]
+    seq_lens: np.ndarray      # int32 [k, R]
+    rope_cos: np.ndarray      # float32 [k, T, D / 2]
+    rope_sin: np.ndarray      # float32 [k, T, D / 2]
+
+
+jax.tree_util.register_dataclass(PlanArrays, data_fields=[f.name for f in dataclasses.fields(PlanArrays)],
+                                 meta_fields=[])
+
+
+def plan_arrays(si: StepInput, num_steps: np.ndarray, k: int, block_size: int,
+                rope_table: tuple[np.ndarray, np.ndarray]) -> PlanArrays:
+    """The k iterations' arrays of decode step `si` (built by build_step_input: sequence i's
+    one token is row i), `num_steps` int [m] each real sequence's steps (1..k). Sequence i's
+    iteration j computes position p_i + min(j, num_steps_i - 1), its K/V going to that
+    position's slot while j < num_steps_i and to slot 0 (the null block) after."""
+    m, t, r = len(num_steps), si.num_tokens, len(si.seq_lens)
+    j = np.arange(k, dtype=np.int32)[:, None]
+    live = j < num_steps[None, :]                                  # [k, m]
+    off = np.minimum(j, num_steps[None, :] - 1).astype(np.int32)   # [k, m]
+    pos = np.zeros((k, t), np.int32)
+    pos[:, :m] = si.positions[None, :m] + off
+    blocks = si.block_tables[np.arange(m)[None, :], pos[:, :m] // block_size]
+    slots = np.zeros((k, t), np.int32)
+    slots[:, :m] = np.where(live, blocks * block_size + pos[:, :m] % block_size, 0)
+    lens = np.zeros((k, r), np.int32)
+    lens[:, :m] = si.seq_lens[None, :m] + off
+    return PlanArrays(pos, slots, lens, rope_table[0][pos], rope_table[1][pos])
+
+
+def program(step_fn, k: int):
+    """The k-step program's function, to be jitted with the pool donated: (params, kv_cache,
+    StepInput of a fused-sampling decode step, PlanArrays) -> (int32 [k, R] each iteration's
+    sampled tokens, kv_cache). `step_fn` is the runner's step function (model and fused
+    sampling: extras["sampled"])."""
+    def run(params, kv_cache, step: StepInput, plan: PlanArrays):
+        r, t = step.seq_lens.shape[0], step.num_tokens
+        s = step.sampling
+
+        def body(j, carry):
+            kv, ids, out = carry
+            sj = dataclasses.replace(
+                step, input_ids=ids, positions=plan.positions[j], slot_mapping=plan.slot_mapping[j],
+                seq_lens=plan.seq_lens[j], rope_cos=plan.rope_cos[j], rope_sin=plan.rope_sin[j],
+                sampling=smp.SamplingArrays(s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
+                                            s.sample_index, s.step + j, s.seed_hi))
+            _, kv, extras = step_fn(params, kv, sj)
+            tokens = extras["sampled"][:r]
+            return kv, jnp.zeros(t, jnp.int32).at[:r].set(tokens), out.at[j].set(tokens)
+
+        first = (kv_cache, input_ids(step), jnp.zeros((k, r), jnp.int32))
+        kv_cache, _, out = jax.lax.fori_loop(0, k, body, first)
+        return out, kv_cache
+    return run
+
+
+def collect(tokens, scheduled) -> dict[str, list[int]]:
+    """{request id: its num_steps tokens} from the program's int32 [k, R] output (device or
+    host): sequence i's tokens are column i."""
+    cols = np.asarray(jax.device_get(tokens)).T.tolist()
+    return {s.request_id: cols[i][:s.num_steps] for i, s in enumerate(scheduled)}
+
+
+class MultiStep:
+    """A runner's k-step programs (one per token bucket and decode_only, compiled on first
+    use under `compiles`, the runner's CompileCounter). step_fn: the runner's step function;
+    k: num_scheduler_steps (> 1); jit: jax.jit, or a plain call with enforce_eager."""
+
+    def __init__(self, step_fn, k: int, block_size: int, rope_table, compiles, jit=jax.jit):
+        self.k, self.block_size, self.rope_table, self.compiles = k, block_size, rope_table, compiles
+        self.program = jit(program(step_fn, k), donate_argnums=(1,))
+        self.num_steps_run = 0  # engine steps that ran several decode steps
+
+    @staticmethod
+    def wanted(out: SchedulerOutput) -> bool:
+        """Whether the scheduler gave some sequence of `out` more than one step."""
+        return any(s.num_steps > 1 for s in out.scheduled)
+
+    def execute(self, params, kv_cache, out: SchedulerOutput, si: StepInput):
+        """Run `out` (its StepInput `si`, a decode step in a bucket with fused sampling):
+        (RunnerOutput with each sequence's num_steps tokens, the updated pool)."""
+        spans = fs.spans(out.scheduled)
+        si = dataclasses.replace(si, sample_mode=fs.mode_index(spans),
+                                 sampling=rows.sampling_arrays(spans, len(si.seq_lens)))
+        steps = np.fromiter((s.num_steps for s in out.scheduled), np.int32, len(out.scheduled))
+        plan = plan_arrays(si, steps, self.k, self.block_size, self.rope_table)
+        with self.compiles:
+            tokens, kv_cache = self.program(params, kv_cache, si, plan)
+        self.num_steps_run += 1
+        return RunnerOutput(sampled=collect(tokens, out.scheduled)), kv_cache
