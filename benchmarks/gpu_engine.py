@@ -34,6 +34,9 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
   memory   (with offline or serving) that engine's compiled step programs' memory_analysis():
            arguments, outputs, aliased pool, temporaries and the peak, against weights + pool
            + 4 GiB (the 2026-12-04 engine's XLA warned of ~120 GiB).
+  multistep  the decode rows of the two largest batches again on an engine with multi-step
+           decode (num_scheduler_steps 4, jaxkv/runner/multi_step.py): "decode" rows whose
+           num_scheduler_steps is 4, per decode step.
 Weights are random (load_format="dummy"); the folder gets a word-level tokenizer
 (benchmarks/e2e_decode.model_folder). Rows hold the device name; compare rows of one run.
 """
@@ -62,10 +65,10 @@ from jaxkv.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 # cut keeps the earlier stages) and the CPU dry run's (token_buckets None: the defaults).
 FULL = dict(batches=[1, 32, 128, 256], prompt_len=128, decode_tokens=32, reps=30,
             kv="24GiB", offline_requests=400, serving_requests=100, serving_rate=20.0,
-            max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None, k=1)
+            max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None, k=1, multi_k=4)
 DRY = dict(batches=[1, 4], prompt_len=8, decode_tokens=4, reps=3, kv="32MiB",
            offline_requests=12, serving_requests=6, serving_rate=50.0, max_num_seqs=8,
-           max_model_len=256, trace_steps=4, token_buckets=(4, 32), k=1)
+           max_model_len=256, trace_steps=4, token_buckets=(4, 32), k=1, multi_k=4)
 
 
 def percentile(xs, q: float):
@@ -341,7 +344,8 @@ def smoke_rows(folder: str, cfg: dict, rows: Rows, backend: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "configs", "llama3-8b"))
-    ap.add_argument("--stages", nargs="+", default=["decode", "trace", "offline", "serving", "smoke"])
+    ap.add_argument("--stages", nargs="+",
+                    default=["decode", "trace", "offline", "serving", "smoke", "multistep"])
     ap.add_argument("--cpu-dry-run", action="store_true", help="a tiny model on the CPU (pallas interpreted)")
     ap.add_argument("--batches", type=int, nargs="+", help="the decode stage's batch sizes")
     ap.add_argument("--decode-tokens", type=int, help="the decode stage's N")
@@ -387,6 +391,12 @@ def main(argv=None) -> None:
             if "serving" in a.stages:
                 serving_row(llm, cfg, p, rows)
             memory_rows(llm, rows)  # the programs compiled by now (all but a cut background)
+            llm = None
+        if "multistep" in a.stages:  # the decode rows again, multi-step decode's k on
+            q = {**p, "k": p["multi_k"], "batches": p["batches"][-2:]}
+            llm, most = decode_engine(folder, q, backend)
+            for b in q["batches"]:
+                decode_row(llm, most, cfg, b, q, rows)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

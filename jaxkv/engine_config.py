@@ -288,7 +288,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc, cache=cache,
         scheduler=SchedulerConfig(args.max_num_seqs, mnbt, max_model_len, args.preemption_mode,
-                                  num_lookahead_tokens=int(runner.async_scheduling),
+                                  num_lookahead_tokens=int(runner.async_scheduling) * args.num_scheduler_steps,
                                   num_scheduler_steps=args.num_scheduler_steps),
         runner=runner,
         speculative=speculative,

@@ -22,7 +22,7 @@ blocks last (a draft never preempts anyone and never delays a prompt: a short bu
 drafts first). After the step num_computed_tokens advances over the accepted tokens only;
 blocks holding nothing but rejected positions are freed, and a draft never enters a hashed
 block (only a request's own tokens are hashed). With async scheduling a sampling request gets
-a lookahead slot past its tokens when one is left free (`_allocate_lookahead`).
+lookahead slots past its tokens when left free (`_allocate_lookahead`); multi-step decode: core/multi_step.py.
 """
 
 from __future__ import annotations
@@ -119,10 +119,10 @@ class Scheduler:
                 raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, "
                                    f"{self.kv.num_free_blocks} free blocks")
 
-        if self.config.num_lookahead_tokens:  # async scheduling's next position, when free
-            self._allocate_lookahead(chosen)
         steps = (multi_steps(chosen, self.kv, self.config.num_scheduler_steps, self.config.max_model_len)
                  if self.config.num_scheduler_steps > 1 else {})
+        if self.config.num_lookahead_tokens:  # async scheduling's next positions, when free
+            self._allocate_lookahead(chosen, steps)
         # Drafts last: they take only the budget that every request's own tokens left over.
         drafts = {}
         limit = self.proposer.disable_by_batch_size if self.proposer else None
@@ -163,14 +163,17 @@ class Scheduler:
             i += 1
         return budget
 
-    def _allocate_lookahead(self, chosen) -> None:
-        """num_lookahead_tokens more slots (within max_model_len) for each chosen request that
-        samples and may go on, from blocks left free (a failed allocate_slots changes nothing)."""
+    def _allocate_lookahead(self, chosen, steps: dict[str, int]) -> None:
+        """num_lookahead_tokens more slots (within max_model_len) past the positions this step
+        computes (`steps`: the multi-step decodes' steps) for each chosen request that samples
+        and may go on, from blocks left free (a failed allocate_slots changes nothing)."""
         for req, n in chosen:
-            extra = min(self.config.num_lookahead_tokens, self.config.max_model_len - req.num_tokens)
+            m = steps.get(req.request_id, 1)
+            extra = min(self.config.num_lookahead_tokens,
+                        self.config.max_model_len - req.num_computed_tokens - n - m + 1)
             if (extra > 0 and req.num_computed_tokens + n == req.num_tokens
-                    and req.num_output_tokens + 1 < req.max_tokens):
-                self.kv.allocate_slots(req, n + extra)
+                    and req.num_output_tokens + m < req.max_tokens):
+                self.kv.allocate_slots(req, n + m - 1 + extra)
 
     def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft

@@ -101,6 +101,18 @@ def param_shardings(params, cfg, mesh: Mesh, expert_parallel: bool = False):
                         param_specs(params, cfg, mesh, expert_parallel))
 
 
+def place_params(params, cfg, tensor_parallel_size: int, expert_parallel: bool = False):
+    """(mesh, params placed on it) for tensor parallelism; (None, params as given) on one
+    device. Across processes JAX places host arrays only (each process keeps its own
+    devices' slices), so the params are read to the host first there."""
+    if tensor_parallel_size <= 1:
+        return None, params
+    mesh = make_mesh(tensor_parallel_size)
+    if jax.process_count() > 1:
+        params = jax.device_get(params)
+    return mesh, jax.device_put(params, param_shardings(params, cfg, mesh, expert_parallel))
+
+
 def kv_pool_specs(pool, cfg, mesh: Mesh):
     """PartitionSpecs of a KVPool: values [L, blocks, block_size, kv_heads, head_dim] and
     scales [L, blocks, block_size, kv_heads] split on kv_heads (or replicated)."""

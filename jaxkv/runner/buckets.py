@@ -28,6 +28,20 @@ def num_rows(token_bucket: int, max_num_seqs: int) -> int:
     return min(token_bucket, max_num_seqs)
 
 
+def sample_rows(t: int, n: int, max_num_seqs: int) -> int:
+    """Sampler rows of a token-bucket-t step that samples n rows: min(t, max_num_seqs),
+    every sequence's last row; more only with draft rows (speculative decoding): the next
+    power of two, at most t."""
+    r = num_rows(t, max_num_seqs)
+    return r if n <= r else min(t, pow2_at_least(n, 1))
+
+
+def sample_row_counts(t: int, max_num_seqs: int, num_speculative_tokens: int) -> tuple[int, ...]:
+    """Every sampler row count a token-bucket-t step can use (compiled with the bucket)."""
+    most = min(t, max_num_seqs * (1 + num_speculative_tokens))
+    return tuple(sorted({sample_rows(t, n, max_num_seqs) for n in (0, *range(1, most + 1))}))
+
+
 def pow2_at_least(n: int, smallest: int = 8) -> int:
     b = smallest
     while b < n:

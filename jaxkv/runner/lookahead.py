@@ -26,6 +26,11 @@ is left out of the prediction. A step is run ahead when every sequence of the st
 each is predicted or ends by length: not after a step with a prompt chunk that samples
 nothing, nor from a step after which some sequence's next token needs a new block that its
 lookahead slot did not give it, nor while any sequence has such penalties.
+
+Multi-step decode (jaxkv/runner/multi_step.py, num_scheduler_steps k > 1) is predicted the
+same way: each sequence goes on from its last sampled token at the position after its last
+step, with the steps the scheduler will give it (`multi_steps`); its lookahead slots are k,
+so those positions lie in blocks it holds. A multi-step is taken whole or not at all.
 """
 
 from __future__ import annotations
@@ -63,11 +68,11 @@ class Ahead:
 
 
 def _host_free(s: ScheduledRequest) -> bool:
-    """Whether `s` samples one token (one step) and its next step's inputs do not depend on
-    that token on the host (no history penalties, bad_words, grammar, drafts or prompt
-    logprobs)."""
+    """Whether `s` samples (one token, or one per step of a multi-step decode) and its next
+    step's inputs do not depend on those tokens on the host (no history penalties,
+    bad_words, grammar, drafts or prompt logprobs)."""
     p = s.sampling_params
-    return (s.sample and s.num_steps == 1 and not s.spec_token_ids and s.prompt_token_ids is None
+    return (s.sample and not s.spec_token_ids and s.prompt_token_ids is None
             and s.output_token_ids is None and s.grammar_bitmask is None
             and not s.prompt_logprob_targets and getattr(p, "structured_outputs", None) is None
             and not getattr(p, "bad_words", None) and not p.has_penalties)
@@ -79,7 +84,7 @@ def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
             and s.num_computed_tokens == q.num_computed_tokens and _same_blocks(s.block_ids, q.block_ids)
             and s.sampling_params is q.sampling_params and s.seed == q.seed
             and s.sample_index == q.sample_index and s.num_output_tokens == q.num_output_tokens
-            and s.min_tokens_banned_ids == q.min_tokens_banned_ids)
+            and s.min_tokens_banned_ids == q.min_tokens_banned_ids and s.num_steps == q.num_steps)
 
 
 def _same_blocks(now: list[int], predicted: list[int]) -> bool:
@@ -92,13 +97,15 @@ def _same_blocks(now: list[int], predicted: list[int]) -> bool:
 
 
 def plan(scheduled: list[ScheduledRequest], sources: dict[str, tuple[int, int]], block_size: int,
-         max_model_len: int, rows: int) -> tuple[list[ScheduledRequest], list[int]] | None:
+         max_model_len: int, rows: int, k: int = 1) -> tuple[list[ScheduledRequest], list[int]] | None:
     """The step to run ahead after a step of `scheduled` whose sampled tokens lie on the
     device: `sources` maps each sequence that sampled to (its sampler output 0 or 1, its row
     there), each output padded to `rows` rows. Returns (the predicted ScheduledRequests, for
     each its input token's index in the two outputs concatenated), leaving out sequences
     that end by length now; None when a sequence sampled nothing (a prompt chunk) or its next
-    step cannot be predicted, or none goes on."""
+    step cannot be predicted, or none goes on. With multi-step decode (`k` =
+    num_scheduler_steps > 1) the steps of each predicted sequence are those the scheduler will
+    give it (`multi_steps`)."""
     predicted, index = [], []
     for s in scheduled:
         src = sources.get(s.request_id)
@@ -111,15 +118,39 @@ def plan(scheduled: list[ScheduledRequest], sources: dict[str, tuple[int, int]],
             return None
         predicted.append(q)
         index.append(src[0] * rows + src[1])
+    if k > 1 and predicted and not multi_steps(predicted, block_size, max_model_len, k):
+        return None
     return (predicted, index) if predicted else None
+
+
+def multi_steps(predicted: list[ScheduledRequest], block_size: int, max_model_len: int, k: int) -> bool:
+    """Set each predicted sequence's num_steps as jaxkv.core.multi_step.multi_steps will (when
+    every one is a plain decode: up to k within max_tokens and max_model_len; else 1 each).
+    False when some sequence's steps reach past the blocks it holds (the scheduler would
+    allocate, so the prediction would not hold)."""
+    if not all(_plain(q) for q in predicted):
+        return True
+    for q in predicted:
+        q.num_steps = max(1, min(k, q.sampling_params.max_tokens - q.num_output_tokens,
+                                 max_model_len - q.num_computed_tokens - 1))
+        if (q.num_computed_tokens + q.num_steps - 1) // block_size >= len(q.block_ids):
+            return False
+    return True
+
+
+def _plain(q: ScheduledRequest) -> bool:
+    """jaxkv.core.multi_step.plain_decode of the sequence `q` predicts (its host-free checks
+    already passed): no logprobs, logits filters or min_tokens ban."""
+    p = q.sampling_params
+    return p.logprobs is None and not p.has_logits_filters and q.num_output_tokens >= p.min_tokens
 
 
 def ends_by_length(s: ScheduledRequest, max_model_len: int) -> bool:
     """Whether the token `s` samples now surely ends it (max_tokens, max_model_len: the
     scheduler's length finish, whatever the token is)."""
-    pos = s.num_computed_tokens + s.num_scheduled_tokens
+    pos = s.num_computed_tokens + s.num_scheduled_tokens + s.num_steps - 1
     return (s.sample and not s.spec_token_ids
-            and (s.num_output_tokens + 1 >= s.sampling_params.max_tokens or pos + 1 >= max_model_len))
+            and (s.num_output_tokens + s.num_steps >= s.sampling_params.max_tokens or pos + 1 >= max_model_len))
 
 
 def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> ScheduledRequest | None:
@@ -128,14 +159,14 @@ def predict(s: ScheduledRequest, block_size: int, max_model_len: int) -> Schedul
     token (placeholder 0 until the sampled one is known) at the next position."""
     if not _host_free(s):
         return None
-    pos = s.num_computed_tokens + s.num_scheduled_tokens
-    out = s.num_output_tokens + 1
+    pos = s.num_computed_tokens + s.num_scheduled_tokens + s.num_steps - 1
+    out = s.num_output_tokens + s.num_steps
     if (pos // block_size >= len(s.block_ids) or pos + 1 >= max_model_len
             or out >= s.sampling_params.max_tokens):
         return None
     q = object.__new__(ScheduledRequest)  # a copy of s (dataclasses.replace runs __init__:
     q.__dict__.update(s.__dict__)  # several times slower, and this runs per sequence per step)
-    q.token_ids, q.num_computed_tokens, q.num_output_tokens = [0], pos, out
+    q.token_ids, q.num_computed_tokens, q.num_output_tokens, q.num_steps = [0], pos, out, 1
     if out >= s.sampling_params.min_tokens:
         q.min_tokens_banned_ids = []
     return q

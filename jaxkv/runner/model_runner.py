@@ -28,7 +28,7 @@ from jaxkv.models.llama import LlamaModel, rope_inv_freq
 from jaxkv.runner import lookahead as la
 from jaxkv.runner import multi_step as ms
 from jaxkv.models import sharding as sh
-from jaxkv.runner.buckets import num_rows, pick_bucket, pow2_at_least
+from jaxkv.runner.buckets import num_rows, pick_bucket, sample_row_counts, sample_rows
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_bucket
 from jaxkv.runner.input_builder import build_step_input, rope_tables
@@ -107,13 +107,8 @@ class ModelRunner:
     def _place(self, params, tensor_parallel_size: int) -> None:
         """Tensor parallelism (jaxkv/models/sharding.py): a mesh and the params placed on it
         (None and the params as given on one device); then the KV pool and its spec."""
-        self.mesh = sh.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
-        if self.mesh is not None:
-            if jax.process_count() > 1:  # across processes JAX places host arrays only (each
-                params = jax.device_get(params)  # process keeps its own devices' slices)
-            params = jax.device_put(params, sh.param_shardings(
-                params, self.model.cfg, self.mesh, self.config.runner.expert_parallel))
-        self.params = params
+        self.mesh, self.params = sh.place_params(params, self.model.cfg, tensor_parallel_size,
+                                                 self.config.runner.expert_parallel)
         self.kv_cache = self._new_kv_cache()
         self.kv_spec = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if self.mesh else None),
@@ -148,7 +143,7 @@ class ModelRunner:
                                   max_model_len=self.max_model_len, max_logprobs=self.max_logprobs)
         k = self.config.scheduler.num_scheduler_steps
         self.multi_step = (ms.MultiStep(self.step_fn, k, self.block_size, self.rope_table,
-                                        self.compiles, jit) if k > 1 else None)
+                                        self.compiles, self.prev_rows, jit) if k > 1 else None)
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
@@ -175,17 +170,9 @@ class ModelRunner:
     def _logits(self, params, hidden):
         return self.model.apply({"params": params}, hidden, method=LlamaModel.logits)
 
-    def sample_rows(self, t: int, n: int = 0) -> int:
-        """Sampler rows of a token-bucket-t step that samples n rows: min(t, max_num_seqs),
-        every sequence's last row; more only with draft rows (speculative decoding): the next
-        power of two, at most t."""
-        r = num_rows(t, self.max_num_seqs)
-        return r if n <= r else min(t, pow2_at_least(n, 1))
-
     def sample_row_counts(self, t: int) -> tuple[int, ...]:
         """Every sampler row count a token-bucket-t step can use (compiled with the bucket)."""
-        most = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
-        return tuple(sorted({self.sample_rows(t, n) for n in (0, *range(1, most + 1))}))
+        return sample_row_counts(t, self.max_num_seqs, self.num_speculative_tokens)
 
     @property
     def num_compilations(self) -> int:
@@ -283,13 +270,12 @@ class ModelRunner:
         if not out.scheduled:
             self.num_ahead_discarded += ahead is not None
             return RunnerOutput()
-        if self.multi_step is not None and self.multi_step.wanted(out):  # several decode steps
-            self.num_ahead_discarded += ahead is not None
-            res, self.kv_cache = self.multi_step.execute(self.params, self.kv_cache, out, self.build_inputs(out))
-            return res
         # Async scheduling (jaxkv/runner/lookahead.py): what the step dispatched ahead
-        # computed is taken as it is; the rest runs now.
+        # computed is taken as it is; the rest runs now (a multi-step decode: all or none).
+        multi = self.multi_step is not None and self.multi_step.wanted(out.scheduled)
         reuse, rest = ahead.split(out.scheduled) if ahead is not None else ([], out.scheduled)
+        if multi and rest:
+            reuse, rest = [], out.scheduled
         if ahead is not None:
             self.num_ahead_used += bool(reuse)
             self.num_ahead_discarded += not reuse
@@ -297,16 +283,15 @@ class ModelRunner:
         if rest:
             sub = out if not reuse else SchedulerOutput(rest)
             si = self.build_inputs(sub, bucket)
-            hidden, spans, sampled = self._step_and_sample(sub.scheduled, si)
-            run = (sub, si, hidden, spans, sampled)
+            run = (sub, si, *self._dispatch(sub.scheduled, si))
         if self.async_scheduling:  # the next step, now
             self._ahead = self._run_ahead(out, reuse, ahead, run)
         if reuse:
-            self.sampler.collect(res, ahead.sampled, [x for _, x in reuse])
+            ms.collect(self.sampler, res, ahead.sampled, [x for _, x in reuse])
         if run is not None:
             sub, si, hidden, spans, sampled = run
             if spans:
-                self.sampler.collect(res, sampled, spans)
+                ms.collect(self.sampler, res, sampled, spans)
             if any(s.prompt_logprob_targets for s in sub.scheduled):
                 with self.compiles:
                     self.sampler.prompt_logprobs_into(self.params, res, hidden, si.query_start_loc, sub, si.num_tokens)
@@ -332,7 +317,8 @@ class ModelRunner:
         if run is not None and run[3]:
             sources.update({x.sched.request_id: (len(arrays), x.row) for x in run[3]})
             arrays.append(run[4].token_ids)
-        plan = la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows)
+        plan = la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows,
+                       self.multi_step.k if self.multi_step is not None else 1)
         if plan is None:
             return None
         predicted, index = plan
@@ -344,9 +330,18 @@ class ModelRunner:
         prev_index = si.prev_index.copy()
         prev_index[:len(index)] = index  # one query row per sequence, in order
         si = dataclasses.replace(si, prev_sampled=(arrays[0], arrays[-1]), prev_index=prev_index)
-        _, spans, sampled = self._step_and_sample(predicted, si)
+        _, spans, sampled = self._dispatch(predicted, si)
         self.num_ahead_dispatched += 1
         return la.Ahead(predicted, spans, sampled)
+
+    def _dispatch(self, scheduled, si: StepInput):
+        """(hidden or None, spans, sampled) of step `si` of `scheduled`: a multi-step decode's
+        program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py), else
+        _step_and_sample."""
+        if self.multi_step is None or not self.multi_step.wanted(scheduled):
+            return self._step_and_sample(scheduled, si)
+        spans, sampled, self.kv_cache = self.multi_step.dispatch(self.params, self.kv_cache, scheduled, si)
+        return None, spans, sampled
 
     def _step_and_sample(self, scheduled, si: StepInput):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
@@ -366,7 +361,7 @@ class ModelRunner:
         with self.compiles:
             spans, idx = rows.layout(scheduled, si.query_start_loc)
             sampled = (self.sampler.dispatch(self.params, hidden, spans, idx,
-                                              self.sample_rows(si.num_tokens, len(idx)))
+                                              sample_rows(si.num_tokens, len(idx), self.max_num_seqs))
                        if spans else None)
         return hidden, spans, sampled
 

@@ -25,16 +25,24 @@ and tokens reach the client k at a time.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.sampling import fused_sampling as fs
 from jaxkv.sampling import rows
 from jaxkv.sampling import sampler as smp
 from jaxkv.step_input import StepInput, input_ids
+
+
+class MultiOutput(NamedTuple):
+    """A k-step program's output, on the device: `tokens` int32 [k, R] (iteration j's token
+    of sequence i at [j, i]) and `token_ids` int32 [P], each sequence's last token, the
+    input of its next step (a step run ahead gathers it, as from a SamplerOutput's)."""
+    tokens: jax.Array
+    token_ids: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,7 @@ class PlanArrays:
     seq_lens: np.ndarray      # int32 [k, R]
     rope_cos: np.ndarray      # float32 [k, T, D / 2]
     rope_sin: np.ndarray      # float32 [k, T, D / 2]
+    num_steps: np.ndarray     # int32 [R]: each sequence's steps (0: a padding row)
 
 
 jax.tree_util.register_dataclass(PlanArrays, data_fields=[f.name for f in dataclasses.fields(PlanArrays)],
@@ -69,14 +78,18 @@ def plan_arrays(si: StepInput, num_steps: np.ndarray, k: int, block_size: int,
     slots[:, :m] = np.where(live, blocks * block_size + pos[:, :m] % block_size, 0)
     lens = np.zeros((k, r), np.int32)
     lens[:, :m] = si.seq_lens[None, :m] + off
-    return PlanArrays(pos, slots, lens, rope_table[0][pos], rope_table[1][pos])
+    steps = np.zeros(r, np.int32)
+    steps[:m] = num_steps
+    return PlanArrays(pos, slots, lens, rope_table[0][pos], rope_table[1][pos], steps)
 
 
-def program(step_fn, k: int):
+def program(step_fn, k: int, prev_rows: int):
     """The k-step program's function, to be jitted with the pool donated: (params, kv_cache,
-    StepInput of a fused-sampling decode step, PlanArrays) -> (int32 [k, R] each iteration's
-    sampled tokens, kv_cache). `step_fn` is the runner's step function (model and fused
-    sampling: extras["sampled"])."""
+    StepInput of a fused-sampling decode step, PlanArrays) -> ((int32 [k, R] each
+    iteration's sampled tokens, int32 [P] each sequence's last token: its input to the next
+    step, padded to P = `prev_rows` rows for a step run ahead; StepInput.prev_sampled),
+    kv_cache). `step_fn` is the runner's step function (model and fused sampling:
+    extras["sampled"])."""
     def run(params, kv_cache, step: StepInput, plan: PlanArrays):
         r, t = step.seq_lens.shape[0], step.num_tokens
         s = step.sampling
@@ -86,6 +99,7 @@ def program(step_fn, k: int):
             sj = dataclasses.replace(
                 step, input_ids=ids, positions=plan.positions[j], slot_mapping=plan.slot_mapping[j],
                 seq_lens=plan.seq_lens[j], rope_cos=plan.rope_cos[j], rope_sin=plan.rope_sin[j],
+                prev_sampled=None, prev_index=None,  # the ids are in `ids` (input_ids(step) at 0)
                 sampling=smp.SamplingArrays(s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
                                             s.sample_index, s.step + j, s.seed_hi))
             _, kv, extras = step_fn(params, kv, sj)
@@ -94,15 +108,20 @@ def program(step_fn, k: int):
 
         first = (kv_cache, input_ids(step), jnp.zeros((k, r), jnp.int32))
         kv_cache, _, out = jax.lax.fori_loop(0, k, body, first)
-        return out, kv_cache
+        last = out[jnp.maximum(plan.num_steps - 1, 0), jnp.arange(r)]
+        return MultiOutput(out, smp.pad_rows(last, prev_rows)), kv_cache
     return run
 
 
-def collect(tokens, scheduled) -> dict[str, list[int]]:
-    """{request id: its num_steps tokens} from the program's int32 [k, R] output (device or
-    host): sequence i's tokens are column i."""
-    cols = np.asarray(jax.device_get(tokens)).T.tolist()
-    return {s.request_id: cols[i][:s.num_steps] for i, s in enumerate(scheduled)}
+def collect(sampler, res, sampled, spans) -> None:
+    """Read a step's tokens into RunnerOutput `res`: a SamplerOutput's by RowSampler
+    `sampler`; a k-step program's MultiOutput here, each span's sequence
+    (jaxkv.sampling.rows.Span: sched, row = its column) getting its num_steps tokens."""
+    if not isinstance(sampled, MultiOutput):
+        return sampler.collect(res, sampled, spans)
+    cols = np.asarray(jax.device_get(sampled.tokens)).T.tolist()
+    for x in spans:
+        res.sampled[x.sched.request_id] = cols[x.row][:x.sched.num_steps]
 
 
 class MultiStep:
@@ -110,25 +129,27 @@ class MultiStep:
     use under `compiles`, the runner's CompileCounter). step_fn: the runner's step function;
     k: num_scheduler_steps (> 1); jit: jax.jit, or a plain call with enforce_eager."""
 
-    def __init__(self, step_fn, k: int, block_size: int, rope_table, compiles, jit=jax.jit):
+    def __init__(self, step_fn, k: int, block_size: int, rope_table, compiles, prev_rows: int,
+                 jit=jax.jit):
         self.k, self.block_size, self.rope_table, self.compiles = k, block_size, rope_table, compiles
-        self.program = jit(program(step_fn, k), donate_argnums=(1,))
+        self.program = jit(program(step_fn, k, prev_rows), donate_argnums=(1,))
         self.num_steps_run = 0  # engine steps that ran several decode steps
 
     @staticmethod
-    def wanted(out: SchedulerOutput) -> bool:
-        """Whether the scheduler gave some sequence of `out` more than one step."""
-        return any(s.num_steps > 1 for s in out.scheduled)
+    def wanted(scheduled) -> bool:
+        """Whether the scheduler gave some of these ScheduledRequests more than one step."""
+        return any(s.num_steps > 1 for s in scheduled)
 
-    def execute(self, params, kv_cache, out: SchedulerOutput, si: StepInput):
-        """Run `out` (its StepInput `si`, a decode step in a bucket with fused sampling):
-        (RunnerOutput with each sequence's num_steps tokens, the updated pool)."""
-        spans = fs.spans(out.scheduled)
+    def dispatch(self, params, kv_cache, scheduled, si: StepInput):
+        """Dispatch the decode step of `scheduled` (its StepInput `si`, in a bucket with fused
+        sampling; a step run ahead has its prev_sampled and prev_index set): (its spans, the
+        program's MultiOutput still on the device, the updated pool)."""
+        spans = fs.spans(scheduled)
         si = dataclasses.replace(si, sample_mode=fs.mode_index(spans),
                                  sampling=rows.sampling_arrays(spans, len(si.seq_lens)))
-        steps = np.fromiter((s.num_steps for s in out.scheduled), np.int32, len(out.scheduled))
+        steps = np.fromiter((s.num_steps for s in scheduled), np.int32, len(scheduled))
         plan = plan_arrays(si, steps, self.k, self.block_size, self.rope_table)
         with self.compiles:
-            tokens, kv_cache = self.program(params, kv_cache, si, plan)
+            sampled, kv_cache = self.program(params, kv_cache, si, plan)
         self.num_steps_run += 1
-        return RunnerOutput(sampled=collect(tokens, out.scheduled)), kv_cache
+        return spans, sampled, kv_cache

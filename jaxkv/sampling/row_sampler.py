@@ -4,7 +4,7 @@
 `RowSampler` is held by ModelRunner (jaxkv/runner/model_runner.py), which builds it with its
 `Programs` (jaxkv/runner/compiler.py: the jitted gather, sample and prompt-logprobs functions,
 made from `sample_body` and `prompt_logprobs_body` below) and passes the params to each call.
-How many rows a step samples is the runner's (its token buckets: ModelRunner.sample_rows).
+How many rows a step samples is the runner's (its token buckets: jaxkv.runner.buckets.sample_rows).
 """
 
 from __future__ import annotations

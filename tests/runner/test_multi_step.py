@@ -53,6 +53,19 @@ def test_multi_step_gives_the_single_step_tokens(pair, params):
     _check(pair, PROMPTS, sps, min_multi=3)
 
 
+def test_steady_multi_steps_are_dispatched_ahead(pair):
+    """Async scheduling goes on through multi-steps: each k-step program after the first is
+    dispatched before the last one's tokens reach the host, its next steps predicted as the
+    scheduler gives them (lookahead slots of k)."""
+    _, multi = pair
+    s0 = multi.stats()
+    _check(pair, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
+    s = multi.stats()
+    assert s.num_steps - s0.num_steps == 11  # the prompts' step, then 10 steps of 4 tokens
+    assert s.num_async_steps_used - s0.num_async_steps_used == 10
+    assert s.num_async_steps_discarded == s0.num_async_steps_discarded
+
+
 def test_stops_inside_the_k_steps_emit_nothing_after_them(pair):
     """EOS (not ignored), a stop token id and stop strings that land inside a multi-step."""
     single, _ = pair
