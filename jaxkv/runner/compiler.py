@@ -82,6 +82,10 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
                 return False
             programs.step[(t, decode_only)] = runner.jitted_step.lower(
                 params, runner.kv_spec, dataclasses.replace(si, decode_only=decode_only)).compile()
+        if getattr(runner, "multi_step", None) is not None and t <= runner.multi_step_max_tokens:
+            if stopped():  # multi-step decode's k-step program of this decode bucket
+                return False
+            runner.multi_step.compile(params, runner.kv_spec, dataclasses.replace(si, decode_only=decode_only))
     hidden = abstract(programs.step[(t, False)].out_info[0], tp)  # [t, hidden_size]
     for rs in runner.sample_row_counts(t):
         gather = programs.gather_rows.lower(hidden, np.zeros(rs, np.int32))

@@ -141,9 +141,12 @@ class ModelRunner:
                                 static_argnames=("num_logprobs",), **out))
         self.sampler = RowSampler(self.programs, vocab_size=self.vocab_size,
                                   max_model_len=self.max_model_len, max_logprobs=self.max_logprobs)
-        k = self.config.scheduler.num_scheduler_steps
+        k = self.config.scheduler.num_scheduler_steps  # multi-step decode: its k-step programs
         self.multi_step = (ms.MultiStep(self.step_fn, k, self.block_size, self.rope_table,
                                         self.compiles, self.prev_rows, jit) if k > 1 else None)
+        # (compiled with each bucket a decode step of up to max_num_seqs sequences pads to)
+        self.multi_step_max_tokens = min((t for t in self.token_buckets if t >= self.max_num_seqs),
+                                         default=self.token_buckets[-1])
 
     # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):

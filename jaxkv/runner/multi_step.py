@@ -125,15 +125,25 @@ def collect(sampler, res, sampled, spans) -> None:
 
 
 class MultiStep:
-    """A runner's k-step programs (one per token bucket and decode_only, compiled on first
-    use under `compiles`, the runner's CompileCounter). step_fn: the runner's step function;
+    """A runner's k-step programs: one per token bucket of decode steps and decode_only,
+    compiled with the bucket (`compile`: warmup or the background compiler) or else on first
+    use under `compiles`, the runner's CompileCounter. step_fn: the runner's step function;
     k: num_scheduler_steps (> 1); jit: jax.jit, or a plain call with enforce_eager."""
 
     def __init__(self, step_fn, k: int, block_size: int, rope_table, compiles, prev_rows: int,
                  jit=jax.jit):
         self.k, self.block_size, self.rope_table, self.compiles = k, block_size, rope_table, compiles
         self.program = jit(program(step_fn, k, prev_rows), donate_argnums=(1,))
+        self.compiled: dict[tuple[int, bool], object] = {}  # (bucket, decode_only) -> executable
         self.num_steps_run = 0  # engine steps that ran several decode steps
+
+    def compile(self, params, kv_spec, si: StepInput) -> None:
+        """Compile the program of `si`'s bucket and decode_only (abstract params and pool;
+        `si` as build_step_input pads an empty step, with fused sampling's arrays)."""
+        key = (si.num_tokens, si.decode_only)
+        if key not in self.compiled and hasattr(self.program, "lower"):
+            plan = plan_arrays(si, np.zeros(0, np.int32), self.k, self.block_size, self.rope_table)
+            self.compiled[key] = self.program.lower(params, kv_spec, si, plan).compile()
 
     @staticmethod
     def wanted(scheduled) -> bool:
@@ -150,6 +160,7 @@ class MultiStep:
         steps = np.fromiter((s.num_steps for s in scheduled), np.int32, len(scheduled))
         plan = plan_arrays(si, steps, self.k, self.block_size, self.rope_table)
         with self.compiles:
-            sampled, kv_cache = self.program(params, kv_cache, si, plan)
+            exe = self.compiled.get((si.num_tokens, si.decode_only), self.program)
+            sampled, kv_cache = exe(params, kv_cache, si, plan)
         self.num_steps_run += 1
         return spans, sampled, kv_cache

@@ -66,6 +66,19 @@ def test_steady_multi_steps_are_dispatched_ahead(pair):
     assert s.num_async_steps_discarded == s0.num_async_steps_discarded
 
 
+def test_the_k_step_programs_compile_with_their_buckets(pair):
+    """Warmup and the background compiler compile each decode bucket's k-step program (both
+    decode_only variants where the backend has them): steady multi-steps compile nothing."""
+    _, multi = pair
+    eng = multi.llm_engine
+    assert eng.wait_for_background_compile(300)
+    runner = eng.runner
+    assert {t for t, _ in runner.multi_step.compiled} == {1, 4, 8}  # max_num_seqs 8: bucket 8
+    before = eng.stats().num_compilations
+    _check(pair, PROMPTS, SamplingParams(temperature=0.7, seed=2, max_tokens=21, ignore_eos=True))
+    assert eng.stats().num_compilations == before
+
+
 def test_stops_inside_the_k_steps_emit_nothing_after_them(pair):
     """EOS (not ignored), a stop token id and stop strings that land inside a multi-step."""
     single, _ = pair
