@@ -7,15 +7,15 @@ from jaxkv.core.request import Request
 
 
 def multi_steps(chosen, kv, k: int, max_model_len: int) -> dict[str, int]:
-    """When every chosen (Request, num_new_tokens) decodes one token with plain sampling
-    (`plain_decode`), each gets up to `k` steps, within its max_tokens, max_model_len and
-    the free blocks of KVCacheManager `kv` (its slots allocated here; one whose slots
-    cannot be had keeps one step). Returns {request id: steps > 1}; {} when the step stays
-    a single one."""
-    if not chosen or not all(n == 1 and plain_decode(req) for req, n in chosen):
-        return {}
+    """Each chosen (Request, num_new_tokens) that decodes one token with plain sampling
+    (`plain_decode`) gets up to `k` steps, within its max_tokens, max_model_len and the
+    free blocks of KVCacheManager `kv` (its slots allocated here; one whose slots cannot be
+    had keeps one step); the others (prompt chunks, sequences that need the host) one step,
+    run beside them as a program of their own. Returns {request id: steps > 1}."""
     steps = {}
-    for req, _ in chosen:
+    for req, n in chosen:
+        if n != 1 or not plain_decode(req):
+            continue
         m = min(k, req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens)
         if m > 1 and kv.allocate_slots(req, m):
             steps[req.request_id] = m

@@ -30,7 +30,8 @@ lookahead slot did not give it, nor while any sequence has such penalties.
 Multi-step decode (jaxkv/runner/multi_step.py, num_scheduler_steps k > 1) is predicted the
 same way: each sequence goes on from its last sampled token at the position after its last
 step, with the steps the scheduler will give it (`multi_steps`); its lookahead slots are k,
-so those positions lie in blocks it holds. A multi-step is taken whole or not at all.
+so those positions lie in blocks it holds. A step that mixes plain decodes with sequences
+that need the host (logprobs, say) runs two programs and is not run ahead.
 """
 
 from __future__ import annotations
@@ -124,12 +125,16 @@ def plan(scheduled: list[ScheduledRequest], sources: dict[str, tuple[int, int]],
 
 
 def multi_steps(predicted: list[ScheduledRequest], block_size: int, max_model_len: int, k: int) -> bool:
-    """Set each predicted sequence's num_steps as jaxkv.core.multi_step.multi_steps will (when
-    every one is a plain decode: up to k within max_tokens and max_model_len; else 1 each).
-    False when some sequence's steps reach past the blocks it holds (the scheduler would
-    allocate, so the prediction would not hold)."""
-    if not all(_plain(q) for q in predicted):
+    """Set each predicted sequence's num_steps as jaxkv.core.multi_step.multi_steps will (a
+    plain decode: up to k within max_tokens and max_model_len). False when some sequence's
+    steps reach past the blocks it holds (the scheduler would allocate, so the prediction
+    would not hold), or when plain and other sequences are mixed (two programs: such a step
+    is not run ahead); True with every num_steps 1 when none is plain."""
+    plain = [_plain(q) for q in predicted]
+    if not any(plain):
         return True
+    if not all(plain):
+        return False
     for q in predicted:
         q.num_steps = max(1, min(k, q.sampling_params.max_tokens - q.num_output_tokens,
                                  max_model_len - q.num_computed_tokens - 1))

@@ -274,25 +274,22 @@ class ModelRunner:
             self.num_ahead_discarded += ahead is not None
             return RunnerOutput()
         # Async scheduling (jaxkv/runner/lookahead.py): what the step dispatched ahead
-        # computed is taken as it is; the rest runs now (a multi-step decode: all or none).
-        multi = self.multi_step is not None and self.multi_step.wanted(out.scheduled)
+        # computed is taken as it is; the rest runs now (multi-step decodes and the others
+        # as a program each, jaxkv/runner/multi_step.py).
         reuse, rest = ahead.split(out.scheduled) if ahead is not None else ([], out.scheduled)
-        if multi and rest:
-            reuse, rest = [], out.scheduled
         if ahead is not None:
             self.num_ahead_used += bool(reuse)
             self.num_ahead_discarded += not reuse
-        res, run = RunnerOutput(), None
-        if rest:
-            sub = out if not reuse else SchedulerOutput(rest)
-            si = self.build_inputs(sub, bucket)
-            run = (sub, si, *self._dispatch(sub.scheduled, si))
+        res, runs = RunnerOutput(), []
+        for part in ms.MultiStep.parts(rest):
+            sub = out if len(part) == len(out.scheduled) else SchedulerOutput(part)
+            si = self.build_inputs(sub, bucket if part is out.scheduled else None)
+            runs.append((sub, si, *self._dispatch(sub.scheduled, si)))
         if self.async_scheduling:  # the next step, now
-            self._ahead = self._run_ahead(out, reuse, ahead, run)
+            self._ahead = self._run_ahead(out, reuse, ahead, runs)
         if reuse:
             ms.collect(self.sampler, res, ahead.sampled, [x for _, x in reuse])
-        if run is not None:
-            sub, si, hidden, spans, sampled = run
+        for sub, si, hidden, spans, sampled in runs:
             if spans:
                 ms.collect(self.sampler, res, sampled, spans)
             if any(s.prompt_logprob_targets for s in sub.scheduled):
@@ -307,20 +304,22 @@ class ModelRunner:
         """Whether a decode step run ahead (async scheduling) waits for the next execute()."""
         return self._ahead is not None
 
-    def _run_ahead(self, out: SchedulerOutput, reuse, ahead, run) -> la.Ahead | None:
+    def _run_ahead(self, out: SchedulerOutput, reuse, ahead, runs) -> la.Ahead | None:
         """Dispatch the predicted next step of `out` (jaxkv/runner/lookahead.py), its input
         ids taken on the device from this step's sampled tokens: those of the sequences
-        computed ahead (`reuse`, rows of ahead.sampled) and of the ones run now (`run`'s
-        spans and sampler output). None when it cannot be predicted."""
+        computed ahead (`reuse`, rows of ahead.sampled) and of the ones run now (each of
+        `runs`' spans and sampler output; at most two outputs in all). None when it cannot
+        be predicted."""
         if not self.prev_rows:  # built without async scheduling: no such input
             return None
         sources, arrays = {s.request_id: (0, x.row) for s, x in reuse}, []
         if reuse:
             arrays.append(ahead.sampled.token_ids)
-        if run is not None and run[3]:
-            sources.update({x.sched.request_id: (len(arrays), x.row) for x in run[3]})
-            arrays.append(run[4].token_ids)
-        plan = la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows,
+        for run in runs:
+            if run[3]:
+                sources.update({x.sched.request_id: (len(arrays), x.row) for x in run[3]})
+                arrays.append(run[4].token_ids)
+        plan = None if len(arrays) > 2 else la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows,
                        self.multi_step.k if self.multi_step is not None else 1)
         if plan is None:
             return None

@@ -150,6 +150,16 @@ class MultiStep:
         """Whether the scheduler gave some of these ScheduledRequests more than one step."""
         return any(s.num_steps > 1 for s in scheduled)
 
+    @staticmethod
+    def parts(scheduled) -> list[list]:
+        """The programs a step's ScheduledRequests run as: those given several steps (a
+        k-step program) and the others (prompt chunks, sequences that need the host: the
+        step program), each part non-empty, in that order."""
+        multi = [s for s in scheduled if s.num_steps > 1]
+        if not multi or len(multi) == len(scheduled):
+            return [scheduled] if scheduled else []
+        return [multi, [s for s in scheduled if s.num_steps == 1]]
+
     def dispatch(self, params, kv_cache, scheduled, si: StepInput):
         """Dispatch the decode step of `scheduled` (its StepInput `si`, in a bucket with fused
         sampling; a step run ahead has its prev_sampled and prev_index set): (its spans, the

@@ -79,6 +79,19 @@ def test_the_k_step_programs_compile_with_their_buckets(pair):
     assert eng.stats().num_compilations == before
 
 
+def test_arrivals_run_beside_the_multi_steps_run_ahead(pair):
+    """More prompts than seats: each admission step runs the new prompt as a program of its
+    own beside the decodes' k-step program taken from the step run ahead, so no step run
+    ahead is discarded and the chain goes on."""
+    _, multi = pair
+    s0 = multi.stats()
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 14, 22, 5, 17, 30)]
+    _check(pair, PROMPTS * 2, sps * 2, min_multi=5)
+    s = multi.stats()
+    assert s.num_async_steps_discarded == s0.num_async_steps_discarded
+    assert s.num_async_steps_used - s0.num_async_steps_used >= 5
+
+
 def test_stops_inside_the_k_steps_emit_nothing_after_them(pair):
     """EOS (not ignored), a stop token id and stop strings that land inside a multi-step."""
     single, _ = pair
