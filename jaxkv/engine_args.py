@@ -171,11 +171,6 @@ class EngineArgs:
             bad("block_size", "must be a power of two")
         pos_int("max_model_len", True)
         pos_int("max_num_seqs")
-        pos_int("num_scheduler_steps")
-        if self.num_scheduler_steps > 1 and (self.tensor_parallel_size != 1 or (self.num_processes or 1) > 1
-                                             or SpeculativeConfig.from_value(self.speculative_config)):
-            bad("num_scheduler_steps", "above 1 is not supported with tensor_parallel_size > 1, "
-                "num_processes > 1 or speculative decoding yet")
         pos_int("max_num_batched_tokens", True)
         pos_int("num_gpu_blocks_override", True)
         if self.max_num_batched_tokens is not None:
@@ -198,11 +193,7 @@ class EngineArgs:
         self._check_tiers(bad)
         pos_int("tensor_parallel_size")
         self._check_distributed(bad, pos_int)
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            bad("async_scheduling", "must be true, false or None (auto)")
-        if self.async_scheduling and (self.tensor_parallel_size != 1 or (self.num_processes or 1) > 1):
-            bad("async_scheduling", "is not supported with tensor_parallel_size > 1 or "
-                "num_processes > 1 yet")
+        self._check_scheduling(bad, pos_int)
         for name in ("token_buckets", "warmup_token_buckets"):
             v = getattr(self, name)
             if v is not None and (not v or not all(_positive_int(x) for x in v)):
@@ -256,6 +247,20 @@ class EngineArgs:
                                          else "kv_cache_disk_dir"))
         if self.kv_cache_disk_dir is not None and not host:
             bad("kv_cache_disk_dir", "needs a host tier in front of it: set swap_space (GiB) > 0")
+
+    def _check_scheduling(self, bad, pos_int) -> None:
+        """async_scheduling and num_scheduler_steps: their values, and what they need (one
+        process without tensor parallelism; multi-step decode also no speculative decoding)."""
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            bad("async_scheduling", "must be true, false or None (auto)")
+        one_device = self.tensor_parallel_size == 1 and (self.num_processes or 1) == 1
+        if self.async_scheduling and not one_device:
+            bad("async_scheduling", "is not supported with tensor_parallel_size > 1 or "
+                "num_processes > 1 yet")
+        pos_int("num_scheduler_steps")
+        if self.num_scheduler_steps > 1 and (not one_device or SpeculativeConfig.from_value(self.speculative_config)):
+            bad("num_scheduler_steps", "above 1 is not supported with tensor_parallel_size > 1, "
+                "num_processes > 1 or speculative decoding yet")
 
     def _check_distributed(self, bad, pos_int) -> None:
         pos_int("num_processes", True)
