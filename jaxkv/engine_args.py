@@ -27,6 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_SCHEDULER_STEPS = 64  # num_scheduler_steps (multi-step decode)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -258,6 +259,9 @@ class EngineArgs:
             bad("async_scheduling", "is not supported with tensor_parallel_size > 1 or "
                 "num_processes > 1 yet")
         pos_int("num_scheduler_steps")
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            bad("num_scheduler_steps", f"must be at most {MAX_SCHEDULER_STEPS} (each step's "
+                "program loops that often, and each sequence holds that many slots ahead)")
         if self.num_scheduler_steps > 1 and (not one_device or SpeculativeConfig.from_value(self.speculative_config)):
             bad("num_scheduler_steps", "above 1 is not supported with tensor_parallel_size > 1, "
                 "num_processes > 1 or speculative decoding yet")

@@ -58,7 +58,7 @@ class EngineStats:
     num_async_steps_used: int = 0
     num_async_steps_discarded: int = 0
     # Multi-step decode (jaxkv/runner/multi_step.py): num_scheduler_steps, and the engine
-    # steps that ran more than one decode step in one program.
+    # steps that ran more than one decode step in one program (not in num_fused_sampling_steps).
     num_scheduler_steps: int = 1
     num_multi_steps: int = 0
     token_buckets: tuple[int, ...] = ()           # every padded token count of a step

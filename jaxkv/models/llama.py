@@ -190,7 +190,7 @@ class DecoderLayer(nn.Module):
             x = x + o
             h = norm("post_attention_layernorm")(x)
         if layer in c.moe_layers:  # a sparse MLP (jaxkv/models/moe.py)
-            valid = jnp.arange(t) < step.query_start_loc[step.num_seqs[0]]  # not padding
+            valid = step.slot_mapping > 0  # not padding (nor a multi-step's row past its steps)
             y, _ = MoE(c, dt, Linear, mm, qs, name="mlp")(h, valid)
             return (x + y, pool), None
         g, u = mm(h, Linear(c.intermediate_size, False, dt, qs, name="gate_proj"),

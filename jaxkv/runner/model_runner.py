@@ -142,13 +142,12 @@ class ModelRunner:
         self.sampler = RowSampler(self.programs, vocab_size=self.vocab_size,
                                   max_model_len=self.max_model_len, max_logprobs=self.max_logprobs)
         k = self.config.scheduler.num_scheduler_steps  # multi-step decode: its k-step programs
-        self.multi_step = (ms.MultiStep(self.step_fn, k, self.block_size, self.rope_table,
-                                        self.compiles, self.prev_rows, jit) if k > 1 else None)
+        self.multi_step = (ms.MultiStep(self.step_fn, k, self.block_size, self.rope_table, self.compiles,
+                                        self.prev_rows, self.model.cfg.num_experts, jit) if k > 1 else None)
         # (compiled with each bucket a decode step of up to max_num_seqs sequences pads to)
         self.multi_step_max_tokens = min((t for t in self.token_buckets if t >= self.max_num_seqs),
                                          default=self.token_buckets[-1])
 
-    # ---- jitted bodies ------------------------------------------------------------------
     def step_fn(self, params, kv_cache, step: StepInput):
         """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
         [T, hidden_size], pool with this step's K/V written, extras): extras["greedy"] in
@@ -213,10 +212,12 @@ class ModelRunner:
         with self.compiles:
             hidden, self.kv_cache, extras = self._run_step(self.params, self.kv_cache, step)
         self.last_sampled_tokens = extras.get("sampled")
-        if "expert_load" in extras:  # a device add: nothing waits for it
-            load = extras["expert_load"]
-            self.expert_load = load if self.expert_load is None else self.expert_load + load
+        self._count_experts(extras.get("expert_load"))
         return hidden
+
+    def _count_experts(self, load) -> None:
+        if load is not None:  # a device add: nothing waits for it
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
 
     def _run_step(self, params, kv_cache, step: StepInput):
         if self.enforce_eager:
@@ -285,6 +286,8 @@ class ModelRunner:
             sub = out if len(part) == len(out.scheduled) else SchedulerOutput(part)
             si = self.build_inputs(sub, bucket if part is out.scheduled else None)
             runs.append((sub, si, *self._dispatch(sub.scheduled, si)))
+        if self.multi_step is not None and self.multi_step.wanted(out.scheduled):
+            self.multi_step.num_steps_run += 1
         if self.async_scheduling:  # the next step, now
             self._ahead = self._run_ahead(out, reuse, ahead, runs)
         if reuse:
@@ -342,7 +345,8 @@ class ModelRunner:
         _step_and_sample."""
         if self.multi_step is None or not self.multi_step.wanted(scheduled):
             return self._step_and_sample(scheduled, si)
-        spans, sampled, self.kv_cache = self.multi_step.dispatch(self.params, self.kv_cache, scheduled, si)
+        spans, sampled, self.kv_cache, load = self.multi_step.dispatch(self.params, self.kv_cache, scheduled, si)
+        self._count_experts(load)
         return None, spans, sampled
 
     def _step_and_sample(self, scheduled, si: StepInput):
@@ -367,7 +371,6 @@ class ModelRunner:
                        if spans else None)
         return hidden, spans, sampled
 
-    # ---- warmup -------------------------------------------------------------------------
     def warmup(self) -> tuple[float, int]:
         """Compile every program of the warmup buckets (jaxkv.runner.compiler.compile_bucket)
         and switch them in; from here on steps pad to compiled buckets only. Returns

@@ -83,19 +83,20 @@ def plan_arrays(si: StepInput, num_steps: np.ndarray, k: int, block_size: int,
     return PlanArrays(pos, slots, lens, rope_table[0][pos], rope_table[1][pos], steps)
 
 
-def program(step_fn, k: int, prev_rows: int):
+def program(step_fn, k: int, prev_rows: int, num_experts: int = 0):
     """The k-step program's function, to be jitted with the pool donated: (params, kv_cache,
-    StepInput of a fused-sampling decode step, PlanArrays) -> ((int32 [k, R] each
-    iteration's sampled tokens, int32 [P] each sequence's last token: its input to the next
-    step, padded to P = `prev_rows` rows for a step run ahead; StepInput.prev_sampled),
-    kv_cache). `step_fn` is the runner's step function (model and fused sampling:
-    extras["sampled"])."""
+    StepInput of a fused-sampling decode step, PlanArrays) -> (MultiOutput (int32 [k, R]
+    each iteration's sampled tokens, int32 [P] each sequence's last token: its input to the
+    next step, padded to P = `prev_rows` rows for a step run ahead; StepInput.prev_sampled),
+    kv_cache, int32 [E] a mixture of experts' real tokens per expert over the iterations or
+    None). It runs max(num_steps) iterations (at most k). `step_fn` is the runner's step
+    function (model and fused sampling: extras["sampled"], extras["expert_load"])."""
     def run(params, kv_cache, step: StepInput, plan: PlanArrays):
         r, t = step.seq_lens.shape[0], step.num_tokens
         s = step.sampling
 
         def body(j, carry):
-            kv, ids, out = carry
+            kv, ids, out, load = carry
             sj = dataclasses.replace(
                 step, input_ids=ids, positions=plan.positions[j], slot_mapping=plan.slot_mapping[j],
                 seq_lens=plan.seq_lens[j], rope_cos=plan.rope_cos[j], rope_sin=plan.rope_sin[j],
@@ -104,12 +105,14 @@ def program(step_fn, k: int, prev_rows: int):
                                             s.sample_index, s.step + j, s.seed_hi))
             _, kv, extras = step_fn(params, kv, sj)
             tokens = extras["sampled"][:r]
-            return kv, jnp.zeros(t, jnp.int32).at[:r].set(tokens), out.at[j].set(tokens)
+            load = None if load is None else load + extras["expert_load"]
+            return kv, jnp.zeros(t, jnp.int32).at[:r].set(tokens), out.at[j].set(tokens), load
 
-        first = (kv_cache, input_ids(step), jnp.zeros((k, r), jnp.int32))
-        kv_cache, _, out = jax.lax.fori_loop(0, k, body, first)
+        load = jnp.zeros(num_experts, jnp.int32) if num_experts else None
+        first = (kv_cache, input_ids(step), jnp.zeros((k, r), jnp.int32), load)
+        kv_cache, _, out, load = jax.lax.fori_loop(0, jnp.max(plan.num_steps), body, first)
         last = out[jnp.maximum(plan.num_steps - 1, 0), jnp.arange(r)]
-        return MultiOutput(out, smp.pad_rows(last, prev_rows)), kv_cache
+        return MultiOutput(out, smp.pad_rows(last, prev_rows)), kv_cache, load
     return run
 
 
@@ -131,11 +134,11 @@ class MultiStep:
     k: num_scheduler_steps (> 1); jit: jax.jit, or a plain call with enforce_eager."""
 
     def __init__(self, step_fn, k: int, block_size: int, rope_table, compiles, prev_rows: int,
-                 jit=jax.jit):
+                 num_experts: int = 0, jit=jax.jit):
         self.k, self.block_size, self.rope_table, self.compiles = k, block_size, rope_table, compiles
-        self.program = jit(program(step_fn, k, prev_rows), donate_argnums=(1,))
+        self.program = jit(program(step_fn, k, prev_rows, num_experts), donate_argnums=(1,))
         self.compiled: dict[tuple[int, bool], object] = {}  # (bucket, decode_only) -> executable
-        self.num_steps_run = 0  # engine steps that ran several decode steps
+        self.num_steps_run = 0  # engine steps that ran several decode steps (the runner counts)
 
     def compile(self, params, kv_spec, si: StepInput) -> None:
         """Compile the program of `si`'s bucket and decode_only (abstract params and pool;
@@ -163,7 +166,8 @@ class MultiStep:
     def dispatch(self, params, kv_cache, scheduled, si: StepInput):
         """Dispatch the decode step of `scheduled` (its StepInput `si`, in a bucket with fused
         sampling; a step run ahead has its prev_sampled and prev_index set): (its spans, the
-        program's MultiOutput still on the device, the updated pool)."""
+        program's MultiOutput still on the device, the updated pool, the experts' load or
+        None)."""
         spans = fs.spans(scheduled)
         si = dataclasses.replace(si, sample_mode=fs.mode_index(spans),
                                  sampling=rows.sampling_arrays(spans, len(si.seq_lens)))
@@ -171,6 +175,5 @@ class MultiStep:
         plan = plan_arrays(si, steps, self.k, self.block_size, self.rope_table)
         with self.compiles:
             exe = self.compiled.get((si.num_tokens, si.decode_only), self.program)
-            sampled, kv_cache = exe(params, kv_cache, si, plan)
-        self.num_steps_run += 1
-        return spans, sampled, kv_cache
+            sampled, kv_cache, load = exe(params, kv_cache, si, plan)
+        return spans, sampled, kv_cache, load

@@ -18,8 +18,9 @@ The tokens are the separate sampler's: the same LM head (LlamaModel.logits) on t
 and the same sampler.sample with the same arrays (per-request keys: a random row's token does
 not depend on the program it runs in).
 
-Host side (`fusable`, `mode_index`, `spans`): plain data; in the program (`sampled_tokens`):
-JAX.
+Multi-step decode's k-step programs (jaxkv/runner/multi_step.py) sample the same way, each
+iteration through the step function. Host side (`fusable`, `mode_index`, `spans`): plain
+data; in the program (`sampled_tokens`): JAX.
 """
 
 from __future__ import annotations

@@ -213,15 +213,18 @@ def test_missing_moe_keys_take_transformers_defaults():
                                     "num_experts": 8, "num_experts_per_tok": 9})
 
 
-def test_the_experts_load_is_counted(moe):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_the_experts_load_is_counted(moe, steps):
     """stats() counts the real tokens each expert took (padding rows excluded), summed over the
-    MoE layers: every computed token k times per MoE layer; the imbalance is max / mean."""
+    MoE layers: every computed token k times per MoE layer; the imbalance is max / mean. With
+    multi-step decode (num_scheduler_steps 4) the same: a k-step program adds up its
+    iterations, a sequence's rows past its steps left out."""
     from jaxkv import LLM, SamplingParams
 
     name, hf, path = moe
     llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=64, token_buckets=(8, 64),
               kv_cache_memory_bytes=1 << 20, max_num_seqs=8, enable_prefix_caching=False,
-              async_scheduling=False)
+              async_scheduling=False, num_scheduler_steps=steps)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (5, 11, 20)]
     llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -232,3 +235,4 @@ def test_the_experts_load_is_counted(moe):
     assert len(s.moe_expert_tokens) == mc.num_experts
     assert s.moe_load_imbalance == max(s.moe_expert_tokens) / (sum(s.moe_expert_tokens) / mc.num_experts)
     assert s.moe_load_imbalance >= 1.0
+    assert (s.num_multi_steps > 0) == (steps > 1)

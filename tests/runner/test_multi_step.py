@@ -62,6 +62,7 @@ def test_steady_multi_steps_are_dispatched_ahead(pair):
     _check(pair, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
     s = multi.stats()
     assert s.num_steps - s0.num_steps == 11  # the prompts' step, then 10 steps of 4 tokens
+    assert s.num_multi_steps - s0.num_multi_steps == 10
     assert s.num_async_steps_used - s0.num_async_steps_used == 10
     assert s.num_async_steps_discarded == s0.num_async_steps_discarded
 
@@ -144,7 +145,7 @@ def test_plan_arrays_send_a_finished_rows_kv_to_the_null_block():
 
 def test_the_flag_is_validated_and_counted():
     from jaxkv.engine_args import EngineArgs
-    for bad in (0, -1, 1.5, True):
+    for bad in (0, -1, 1.5, True, 65, 10**9):
         with pytest.raises(ValueError, match="num_scheduler_steps"):
             EngineArgs(num_scheduler_steps=bad)
     with pytest.raises(ValueError, match="num_scheduler_steps"):
