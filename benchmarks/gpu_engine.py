@@ -276,18 +276,22 @@ def serving_row(llm, cfg: dict, p: dict, rows: Rows) -> None:
 
 def memory_rows(llm, rows: Rows) -> None:
     """Each compiled step program's memory_analysis() (issue 38 item 6: peak within weights +
-    pool + 4 GiB, no pool-sized temporary): GiB of arguments, outputs, aliased (donated pool)
-    and temporaries, and the peak they imply (arguments + outputs - aliased + temporaries)."""
+    pool + 4 GiB, no pool-sized temporary), multi-step decode's k-step programs too: GiB of
+    arguments, outputs, aliased (donated pool) and temporaries, and the peak they imply
+    (arguments + outputs - aliased + temporaries)."""
     import jax
     r = llm.llm_engine.runner
     gib = 2.0 ** -30
     pool = sum(x.nbytes for x in jax.tree.leaves(r.kv_cache))
-    for (t, decode_only), exe in sorted(r.programs.step.items()):
+    multi = r.multi_step.compiled if r.multi_step is not None else {}
+    programs = [(key, 1, exe) for key, exe in r.programs.step.items()]
+    programs += [(key, r.multi_step.k, exe) for key, exe in multi.items()]
+    for (t, decode_only), k, exe in sorted(programs, key=lambda x: x[:2]):
         m = exe.memory_analysis()
         if m is None:  # a backend without the analysis
             continue
         peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-        rows.add(stage="memory", token_bucket=t, decode_only=decode_only,
+        rows.add(stage="memory", token_bucket=t, decode_only=decode_only, num_scheduler_steps=k,
                  argument_gib=round(m.argument_size_in_bytes * gib, 3),
                  output_gib=round(m.output_size_in_bytes * gib, 3),
                  alias_gib=round(m.alias_size_in_bytes * gib, 3),
@@ -397,6 +401,7 @@ def main(argv=None) -> None:
             llm, most = decode_engine(folder, q, backend)
             for b in q["batches"]:
                 decode_row(llm, most, cfg, b, q, rows)
+            memory_rows(llm, rows)  # its k-step programs' among them
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -61,11 +61,12 @@ def test_ctrl_c_in_generate(llm, llm_no_prefix_cache, monkeypatch):
 
 
 def test_failure_in_the_sampler_program(llm, llm_no_prefix_cache, monkeypatch):
-    # The model step ran (K/V written) but sampling raised: still nothing is trusted.
+    # The model step ran (K/V written) but sampling raised: still nothing is trusted. (A
+    # request with logprobs: a plain one samples inside the step program, fused_sampling.py.)
     prompt = _unique_prompt(3, 50)
     _fail_once(monkeypatch, llm.llm_engine.runner.programs, "sample")
     with pytest.raises(RuntimeError, match="injected"):
-        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, logprobs=1), use_tqdm=False)
     monkeypatch.undo()
     _check_recovered(llm, llm_no_prefix_cache, prompt, expect_cached=0)
 

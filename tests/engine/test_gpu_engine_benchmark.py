@@ -32,6 +32,7 @@ def test_the_dry_run_writes_every_stage(tmp_path):
     mem = by["memory"]  # every step program: the pool aliased, no pool-sized temporary
     assert mem and all(r["alias_gib"] >= r["pool_gib"] > 0 and r["temp_below_tenth_of_pool"]
                        and r["within_4gib"] for r in mem)
+    assert any(r["num_scheduler_steps"] == 4 for r in mem)  # the multistep stage's k-step programs
     s = by["serving"][0]
     assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"] and 0 <= s["itl_p50_s"] <= s["itl_p99_s"]
     smoke = {r["path"]: r for r in by["smoke"]}
