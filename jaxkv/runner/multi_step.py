@@ -1,14 +1,15 @@
 """Multi-step decode (vLLM V0's `--num-scheduler-steps k`): up to k decode steps of a batch in
 one program, each step's sampled tokens fed back on the device.
 
-The scheduler gives a step of plain decodes (one token each; sampling without logprobs,
-penalties, logits filters, min_tokens ban or grammar) up to k steps per sequence
+The scheduler gives each plain decode of a step (one token; sampling without logprobs,
+penalties, logits filters, min_tokens ban or grammar) up to k steps
 (ScheduledRequest.num_steps: within max_tokens, max_model_len and the blocks it could
-allocate). The program runs k iterations of the step program's own function (the model and
-its fused sampling, jaxkv/sampling/fused_sampling.py) in a `lax.fori_loop`: iteration j
-computes each sequence's position p + j, writes its K/V there, samples its token with the
-sampler's per-request key at output position num_output_tokens + j, and feeds that token to
-iteration j + 1. Positions, slots, context lengths and RoPE tables of every iteration are
+allocate; the step's other sequences run beside them as a program of their own). The
+program runs up to k iterations (its longest sequence's steps) of the step program's own
+function (the model and its fused sampling, jaxkv/sampling/fused_sampling.py) in a
+`lax.fori_loop`: iteration j computes each sequence's position p + j, writes its K/V
+there, samples its token with the sampler's per-request key at output position
+num_output_tokens + j, and feeds that token to iteration j + 1. Positions, slots, context lengths and RoPE tables of every iteration are
 computed on the host (`plan_arrays`): a sequence past its num_steps repeats its last
 position with its K/V sent to the null block's slot 0, and its tokens there are dropped.
 The host gets [k, R] tokens back; the scheduler appends each sequence's tokens up to its
@@ -18,8 +19,8 @@ single-step decoding's (tests/runner/test_multi_step.py).
 
 What it saves: the host's work per step (schedule, inputs, dispatch, read-back) is paid once
 per k decode steps, and the device goes from one decode step to the next without a host
-round trip. What it costs: a prompt that arrives waits for the k steps to end (its TTFT),
-and tokens reach the client k at a time.
+round trip. What it costs: a prompt that arrives waits for the k steps in flight (its
+TTFT), and tokens reach the client k at a time.
 """
 
 from __future__ import annotations
