@@ -397,4 +397,3 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """False (nothing dropped) while any request holds blocks, as vLLM."""
         return self.kv.reset_prefix_cache()
-

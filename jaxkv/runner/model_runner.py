@@ -150,7 +150,7 @@ class ModelRunner:
 
     def step_fn(self, params, kv_cache, step: StepInput):
         """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
-        [T, hidden_size], pool with this step's K/V written, extras): extras["greedy"] in
+        [T, hidden_size], pool with this step's K/V written, extras):
         extras["sampled"] in programs that fuse sampling (step.sampling given), int32 [P or R],
         each sequence's last row's token (zeros when step.sample_mode is 0);
         extras["expert_load"] for a mixture of experts, int32 [E], the real tokens each
@@ -322,8 +322,9 @@ class ModelRunner:
             if run[3]:
                 sources.update({x.sched.request_id: (len(arrays), x.row) for x in run[3]})
                 arrays.append(run[4].token_ids)
-        plan = None if len(arrays) > 2 else la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows,
-                       self.multi_step.k if self.multi_step is not None else 1)
+        k = self.multi_step.k if self.multi_step is not None else 1
+        plan = (la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows, k)
+                if len(arrays) <= 2 else None)
         if plan is None:
             return None
         predicted, index = plan
@@ -357,8 +358,7 @@ class ModelRunner:
                                                        self.fused_sampling_max_tokens)
         if fused:
             spans = fs.spans(scheduled)
-            si = dataclasses.replace(si, sample_mode=fs.mode_index(spans),
-                                     sampling=rows.sampling_arrays(spans, len(si.seq_lens)))
+            si = fs.with_sampling(si, spans)
         hidden = self.forward(si)
         if fused:
             self.num_fused_sampling_steps += 1

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.sampling import fused_sampling as fs
-from jaxkv.sampling import rows
 from jaxkv.sampling import sampler as smp
 from jaxkv.step_input import StepInput, input_ids
 
@@ -170,8 +169,7 @@ class MultiStep:
         program's MultiOutput still on the device, the updated pool, the experts' load or
         None)."""
         spans = fs.spans(scheduled)
-        si = dataclasses.replace(si, sample_mode=fs.mode_index(spans),
-                                 sampling=rows.sampling_arrays(spans, len(si.seq_lens)))
+        si = fs.with_sampling(si, spans)
         steps = np.fromiter((s.num_steps for s in scheduled), np.int32, len(scheduled))
         plan = plan_arrays(si, steps, self.k, self.block_size, self.rope_table)
         with self.compiles:

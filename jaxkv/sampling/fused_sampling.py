@@ -19,18 +19,20 @@ and the same sampler.sample with the same arrays (per-request keys: a random row
 not depend on the program it runs in).
 
 Multi-step decode's k-step programs (jaxkv/runner/multi_step.py) sample the same way, each
-iteration through the step function. Host side (`fusable`, `mode_index`, `spans`): plain
-data; in the program (`sampled_tokens`): JAX.
+iteration through the step function. Host side (`fusable`, `mode_index`, `spans`,
+`with_sampling`): plain data; in the program (`sampled_tokens`): JAX.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.sampling import sampler as smp
-from jaxkv.sampling.rows import Span, needs_penalties, sampler_mode
+from jaxkv.sampling.rows import Span, needs_penalties, sampler_mode, sampling_arrays
 
 NO_LIMIT = 1 << 30  # max_tokens of a runner whose every bucket fuses
 
@@ -69,6 +71,13 @@ def mode_index(spans_: list[Span]) -> np.ndarray:
     the mode the separate sampler would run for these rows."""
     mode = sampler_mode([x.sched.sampling_params for x in spans_])
     return np.array([1 + smp.MODES.index(mode)], np.int32)
+
+
+def with_sampling(si, spans_: list[Span]):
+    """StepInput `si` (a bucket whose program fuses sampling) asking its program to sample
+    `spans_` (from `spans`): sample_mode and the sampler's per-row arrays [R] set."""
+    return dataclasses.replace(si, sample_mode=mode_index(spans_),
+                               sampling=sampling_arrays(spans_, len(si.seq_lens)))
 
 
 def sampled_tokens(logits_fn, hidden, step, cpu: bool = False):
