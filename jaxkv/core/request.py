@@ -132,3 +132,18 @@ class Request:
         if drop > 0:
             del self.output_token_ids[-drop:]
             del self.all_token_ids[-drop:]
+
+
+def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Token-level stop of a request that just got `token` (vLLM's check_stop): EOS and
+    stop_token_ids once min_tokens are out (sets stop_reason: None for EOS, else the stop
+    token id), then max_tokens and max_model_len; None when it goes on."""
+    sp = req.sampling_params
+    num_output = len(req.output_token_ids)  # (per sequence per step: no properties)
+    if token in req.stop_ids and num_output >= sp.min_tokens:
+        is_eos = token in req.eos_token_ids and not sp.ignore_eos
+        req.stop_reason = None if is_eos else token
+        return RequestStatus.FINISHED_STOPPED
+    if num_output >= sp.max_tokens or len(req.all_token_ids) >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

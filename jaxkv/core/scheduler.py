@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
 from .multi_step import multi_steps
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, check_stop
 from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
 from .grammar import StructuredOutputManager, wait_for_any
@@ -140,16 +140,17 @@ class Scheduler:
         """The running requests in order, each with as many tokens as the budget leaves,
         preempting from the back of the queue when the pool has no slots; returns the budget
         left."""
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_computed_tokens >= req.num_tokens:
+        i, running, allocate = 0, self.running, self.kv.allocate_slots
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.all_token_ids)
+            if req.num_computed_tokens >= num_tokens:
                 # Credited but never given its token (a step interrupted after it ran):
                 # compute the last position again so the request samples and goes on.
-                req.num_computed_tokens = req.num_tokens - 1
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
+                req.num_computed_tokens = num_tokens - 1
+            n = min(num_tokens - req.num_computed_tokens, budget)
+            while not allocate(req, n):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -167,13 +168,15 @@ class Scheduler:
         """num_lookahead_tokens more slots (within max_model_len) past the positions this step
         computes (`steps`: the multi-step decodes' steps) for each chosen request that samples
         and may go on, from blocks left free (a failed allocate_slots changes nothing)."""
+        ahead, max_len, kv = self.config.num_lookahead_tokens, self.config.max_model_len, self.kv
         for req, n in chosen:
-            m = steps.get(req.request_id, 1)
-            extra = min(self.config.num_lookahead_tokens,
-                        self.config.max_model_len - req.num_computed_tokens - n - m + 1)
-            if (extra > 0 and req.num_computed_tokens + n == req.num_tokens
-                    and req.num_output_tokens + m < req.max_tokens):
-                self.kv.allocate_slots(req, n + m - 1 + extra)
+            m = steps.get(req.request_id, 1) if steps else 1
+            done = req.num_computed_tokens + n  # (per sequence per step: no properties)
+            extra = min(ahead, max_len - done - m + 1)
+            if (extra > 0 and done == len(req.all_token_ids)
+                    and len(req.output_token_ids) + m < req.sampling_params.max_tokens
+                    and not kv.holds_slots(req, n + m - 1 + extra)):
+                kv.allocate_slots(req, n + m - 1 + extra)
 
     def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft
@@ -228,19 +231,19 @@ class Scheduler:
         return budget
 
     def _describe(self, req: Request, n: int, draft: list[int], num_steps: int = 1) -> ScheduledRequest:
-        start = req.num_computed_tokens
+        start, sp, num_output = req.num_computed_tokens, req.sampling_params, len(req.output_token_ids)
         n -= len(draft)  # the request's own tokens
-        sp = req.sampling_params
+        token_ids = req.all_token_ids[start:start + n]
         penalties = sp.has_penalties or bool(sp.bad_words)  # both read the token history
         targets = []
         if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
             targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
         return ScheduledRequest(  # positional (per sequence per step): the fields in order
-            req.request_id, req.all_token_ids[start:start + n] + draft, start,
-            list(self.kv.get_block_ids(req.request_id)), start + n == req.num_tokens, sp,
-            req.seed, req.sample_index, req.num_output_tokens,
+            req.request_id, token_ids + draft if draft else token_ids, start,
+            list(self.kv.get_block_ids(req.request_id)), start + n == len(req.all_token_ids), sp,
+            req.seed, req.sample_index, num_output,
             req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
-            targets, list(req.stop_ids) if req.num_output_tokens < sp.min_tokens else [], draft, None,
+            targets, list(req.stop_ids) if num_output < sp.min_tokens else [], draft, None,
             req.bad_words_token_ids, num_steps)
 
     def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
@@ -266,36 +269,39 @@ class Scheduler:
         accepted drafts and one sampled token: num_computed_tokens advances over the accepted
         ones, the blocks past them are freed, and the tokens are appended one by one up to
         the first stop. Returns one RequestUpdate per scheduled request, in scheduled order."""
-        now = time.monotonic()
-        updates = []
+        now, updates, sampled, requests = time.monotonic(), [], runner_output.sampled, self.requests
         for s in out.scheduled:
-            req = self.requests[s.request_id]
-            start = s.num_computed_tokens
-            self.num_computed_prompt_tokens += max(
-                0, min(start + s.num_scheduled_tokens, req.num_prompt_tokens) - start)
-            tokens = runner_output.sampled.get(s.request_id, ())
+            req = requests[s.request_id]
+            start, n = s.num_computed_tokens, len(s.token_ids)
+            num_prompt = len(req.prompt_token_ids)
+            if start < num_prompt:
+                self.num_computed_prompt_tokens += min(start + n, num_prompt) - start
+            tokens = sampled.get(s.request_id, ())
             rejected = 0
             if s.spec_token_ids and tokens:
                 rejected = len(s.spec_token_ids) - (len(tokens) - 1)
                 self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
-            req.num_computed_tokens += s.num_scheduled_tokens + s.num_steps - 1 - rejected
+            req.num_computed_tokens += n + s.num_steps - 1 - rejected
             if rejected:
                 self.kv.trim(req, req.num_computed_tokens)
-            kids = self.pending_forks.get(req.request_id)
-            if kids and req.num_computed_tokens >= req.num_prompt_tokens:
-                del self.pending_forks[req.request_id]
-                self._fork(req, kids)  # before a finish below frees the parent's blocks
+            if self.pending_forks:
+                kids = self.pending_forks.get(req.request_id)
+                if kids and req.num_computed_tokens >= num_prompt:
+                    del self.pending_forks[req.request_id]
+                    self._fork(req, kids)  # before a finish below frees the parent's blocks
             upd = RequestUpdate(req, [], start)
             for token in tokens:
                 if req.grammar is not None and not req.grammar.accept(token):
                     upd.finished = RequestStatus.FINISHED_ERROR  # the token is dropped
                     break
-                req.append_output_token(token)
+                req.output_token_ids.append(token)  # (Request.append_output_token, inline:
+                req.all_token_ids.append(token)  # this runs per sequence per step)
                 upd.new_token_ids.append(token)
-                if req.times.first_token_time is None:
-                    req.times.first_token_time = now
-                req.times.last_token_time = now
-                upd.finished = self._check_stop(req, token)
+                times = req.times
+                if times.first_token_time is None:
+                    times.first_token_time = now
+                times.last_token_time = now
+                upd.finished = check_stop(req, token, self.config.max_model_len)
                 if upd.finished is not None:
                     break
             updates.append(upd)
@@ -305,18 +311,6 @@ class Scheduler:
             if upd.finished is not None:
                 self.finish(upd.request, upd.finished)
         return updates
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        """Token-level stop of a request that just got `token` (vLLM's check_stop): sets
-        stop_reason (None for EOS, else the stop token id)."""
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens and token in req.stop_ids:
-            is_eos = token in req.eos_token_ids and not sp.ignore_eos
-            req.stop_reason = None if is_eos else token
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def undo_step(self) -> int:
         """The step last scheduled did not run: forget the block hashes it registered and

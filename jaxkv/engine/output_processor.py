@@ -94,8 +94,8 @@ class OutputProcessor:
             req.logprobs.append(self.logprob_dict(top_ids, top_lp, None, (token, lp, rank)))
             req.cumulative_logprob += float(lp)
         g = self.child_to_group[req.request_id]
-        detok = g.detoks[g.children.index(req)]
-        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and before == last
+        detok = g.detoks[0 if len(g.children) == 1 else g.children.index(req)]
+        stopped_by_token = before == last and req.status == RequestStatus.FINISHED_STOPPED
         stop_str = detok.update([token], before, stop_terminated=stopped_by_token)
         return None if stopped_by_token else stop_str
 
@@ -106,10 +106,10 @@ class OutputProcessor:
             return None
         delta = kind == RequestOutputKind.DELTA
         outs = []
-        for j, (c, detok) in enumerate(zip(g.children, g.detoks)):
+        for j, c in enumerate(g.children):
             if delta and c.request_id not in changed:
                 continue
-            text = detok.get_next_output_text(c.status >= FINISHED, delta)
+            text = g.detoks[j].get_next_output_text(c.status >= FINISHED, delta)
             start = g.sent_tokens[j] if delta else 0
             lp_start = g.sent_logprobs[j] if delta else 0
             g.sent_tokens[j] = c.num_output_tokens
@@ -136,7 +136,10 @@ class OutputProcessor:
 
     @staticmethod
     def _newly_finished(g: RequestGroup) -> list[tuple]:
-        if len(g.finished_reported) == len(g.children) or not any(c.status >= FINISHED for c in g.children):
+        if len(g.children) == 1:  # (per sequence per step: the common case at once)
+            if g.children[0].status < FINISHED or g.finished_reported:
+                return []
+        elif len(g.finished_reported) == len(g.children) or not any(c.status >= FINISHED for c in g.children):
             return []
         out = []
         for c in g.children:

@@ -72,20 +72,32 @@ def _host_free(s: ScheduledRequest) -> bool:
     """Whether `s` samples (one token, or one per step of a multi-step decode) and its next
     step's inputs do not depend on those tokens on the host (no history penalties,
     bad_words, grammar, drafts or prompt logprobs)."""
-    p = s.sampling_params
+    return _host_free_row(s) and _host_free_params(s.sampling_params)
+
+
+def _host_free_row(s: ScheduledRequest) -> bool:
+    """_host_free's checks of the step itself (sampling, no drafts, history, grammar mask
+    or prompt logprobs)."""
     return (s.sample and not s.spec_token_ids and s.prompt_token_ids is None
             and s.output_token_ids is None and s.grammar_bitmask is None
-            and not s.prompt_logprob_targets and getattr(p, "structured_outputs", None) is None
-            and not getattr(p, "bad_words", None) and not p.has_penalties)
+            and not s.prompt_logprob_targets)
+
+
+def _host_free_params(p) -> bool:
+    """_host_free's checks of the SamplingParams (no grammar, bad_words or penalties)."""
+    return (getattr(p, "structured_outputs", None) is None and not getattr(p, "bad_words", None)
+            and not p.has_penalties)
 
 
 def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
-    """Whether the scheduler's `s` asks exactly what the prediction `q` computed."""
-    return (_host_free(s) and s.request_id == q.request_id and s.token_ids == q.token_ids
-            and s.num_computed_tokens == q.num_computed_tokens and _same_blocks(s.block_ids, q.block_ids)
-            and s.sampling_params is q.sampling_params and s.seed == q.seed
-            and s.sample_index == q.sample_index and s.num_output_tokens == q.num_output_tokens
-            and s.min_tokens_banned_ids == q.min_tokens_banned_ids and s.num_steps == q.num_steps)
+    """Whether the scheduler's `s` asks exactly what the prediction `q` computed (the cheap
+    comparisons first: this runs per sequence per step)."""
+    return (s.num_computed_tokens == q.num_computed_tokens and s.token_ids == q.token_ids
+            and s.sampling_params is q.sampling_params and s.request_id == q.request_id
+            and s.num_output_tokens == q.num_output_tokens and s.num_steps == q.num_steps
+            and s.seed == q.seed and s.sample_index == q.sample_index
+            and s.min_tokens_banned_ids == q.min_tokens_banned_ids and _host_free_row(s)
+            and _host_free_params(s.sampling_params) and _same_blocks(s.block_ids, q.block_ids))
 
 
 def _same_blocks(now: list[int], predicted: list[int]) -> bool:
@@ -112,10 +124,10 @@ def plan(scheduled: list[ScheduledRequest], sources: dict[str, tuple[int, int]],
         src = sources.get(s.request_id)
         if src is None:
             return None
-        if ends_by_length(s, max_model_len):
-            continue  # finished by update_from_output: never asked again
         q = predict(s, block_size, max_model_len)
         if q is None:
+            if ends_by_length(s, max_model_len):
+                continue  # finished by update_from_output: never asked again
             return None
         predicted.append(q)
         index.append(src[0] * rows + src[1])
