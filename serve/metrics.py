@@ -64,6 +64,8 @@ _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache quer
              ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
              ("fused_sampling_steps", "num_fused_sampling_steps",
               "Steps whose sampling ran inside the step program (fused sampling)."),
+             ("launched_steps", "num_launched_steps",
+              "Steps run ahead dispatched from the launcher thread, off the engine thread."),
              ("multi_steps", "num_multi_steps",
               "Engine steps that ran several decode steps in one program (multi-step decode)."),
              ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."),

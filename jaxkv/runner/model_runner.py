@@ -12,7 +12,6 @@ multiply the model's programs. Multi-step decode: jaxkv/runner/multi_step.py.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -25,7 +24,6 @@ from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.cpu_kernels import linear as cpu_linear
 from jaxkv.engine_config import EngineConfig
 from jaxkv.models.llama import LlamaModel, rope_inv_freq
-from jaxkv.runner import lookahead as la
 from jaxkv.runner import multi_step as ms
 from jaxkv.models import sharding as sh
 from jaxkv.runner.buckets import num_rows, pick_bucket, sample_row_counts, sample_rows
@@ -33,6 +31,8 @@ from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_bucket
 from jaxkv.runner.input_builder import build_step_input, rope_tables
 from jaxkv.runner.kv_offload import KVOffload
+from jaxkv.runner.launcher import Launcher
+from jaxkv.runner.run_ahead import RunAhead
 from jaxkv.sampling import fused_sampling as fs
 from jaxkv.sampling import rows
 from jaxkv.sampling import sampler as smp
@@ -42,7 +42,7 @@ from jaxkv.step_input import StepInput
 logger = logging.getLogger("jaxkv")
 
 
-class ModelRunner:
+class ModelRunner(RunAhead):
     def __init__(self, model: LlamaModel, params, config: EngineConfig,
                  kv_disk_dir: str | None = None, leader=None):
         """model/params: the Flax model and its weights; config: the engine's resolved record
@@ -95,14 +95,13 @@ class ModelRunner:
         self.offload = (KVOffload(self.kv_cache, cc.num_host_blocks, kv_disk_dir)
                         if cc.num_host_blocks else None)
         self.compiles = CompileCounter()  # every program this runner's calls compile
-        # Async scheduling (jaxkv/runner/lookahead.py; off with a mesh, several processes or
-        # drafts): sampled tokens padded to prev_rows rows, read on the device by a step run
-        # ahead (StepInput.prev_sampled); the step run ahead; how many (used: one took it).
+        # Async scheduling (jaxkv/runner/lookahead.py, run_ahead.py; off with a mesh, several
+        # processes or drafts): sampled tokens padded to prev_rows rows, read on the device by
+        # a step run ahead (StepInput.prev_sampled); the step run ahead; how many (used: one
+        # took it).
         self.prev_rows = self.max_num_seqs if rc.async_scheduling else 0
         self._make_programs(self.params, enforce_eager)
         self.async_scheduling = rc.async_scheduling
-        self._ahead: la.Ahead | None = None
-        self.num_ahead_dispatched = self.num_ahead_used = self.num_ahead_discarded = 0
 
     def _place(self, params, tensor_parallel_size: int) -> None:
         """Tensor parallelism (jaxkv/models/sharding.py): a mesh and the params placed on it
@@ -147,6 +146,8 @@ class ModelRunner:
         # (compiled with each bucket a decode step of up to max_num_seqs sequences pads to)
         self.multi_step_max_tokens = min((t for t in self.token_buckets if t >= self.max_num_seqs),
                                          default=self.token_buckets[-1])
+        # Async scheduling's step run ahead is dispatched from a thread of its own (launcher.py)
+        self.launcher = Launcher() if self.prev_rows and not enforce_eager and self.mesh is None else None
 
     def step_fn(self, params, kv_cache, step: StepInput):
         """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
@@ -208,9 +209,13 @@ class ModelRunner:
         and return hidden float [T, hidden_size] (after the final norm). The step program of
         (T, step.decode_only) is compiled ahead of time (warmup or the background compiler),
         or here on first use when no warmup ran. `last_sampled_tokens` is then the program's
-        fused sampling output (int32 [P or R]; None in programs without one)."""
+        fused sampling output (int32 [P or R]; None in programs without one). A call in
+        flight on the launcher's thread is waited for first (it updates the pool), unless
+        this is that call."""
+        if self.launcher is not None:
+            self.launcher.join()
         with self.compiles:
-            hidden, self.kv_cache, extras = self._run_step(self.params, self.kv_cache, step)
+            hidden, self._kv, extras = self._run_step(self.params, self._kv, step)
         self.last_sampled_tokens = extras.get("sampled")
         self._count_experts(extras.get("expert_load"))
         return hidden
@@ -243,6 +248,8 @@ class ModelRunner:
         gone); False when intact. A multi-process leader tells its followers to check theirs."""
         self.num_ahead_discarded += self._ahead is not None
         self._ahead = None
+        if self.launcher is not None:
+            self.launcher.join(raise_error=False)  # (its error is the one being undone)
         if self.leader is not None:
             self.leader.recovered()
         try:
@@ -268,7 +275,7 @@ class ModelRunner:
         return self._execute(out, bucket)
 
     def _execute(self, out: SchedulerOutput, bucket: int | None) -> RunnerOutput:
-        ahead, self._ahead = self._ahead, None
+        ahead = self._take_ahead()
         if out.kv_transfers:  # copies between the KV tiers come first (kv_offload.py)
             self.kv_cache = self.offload.apply(out.kv_transfers, self.kv_cache)
         if not out.scheduled:
@@ -302,55 +309,18 @@ class ModelRunner:
             self._ahead.fill_tokens(res.sampled)
         return res
 
-    @property
-    def step_ahead_pending(self) -> bool:
-        """Whether a decode step run ahead (async scheduling) waits for the next execute()."""
-        return self._ahead is not None
-
-    def _run_ahead(self, out: SchedulerOutput, reuse, ahead, runs) -> la.Ahead | None:
-        """Dispatch the predicted next step of `out` (jaxkv/runner/lookahead.py), its input
-        ids taken on the device from this step's sampled tokens: those of the sequences
-        computed ahead (`reuse`, rows of ahead.sampled) and of the ones run now (each of
-        `runs`' spans and sampler output; at most two outputs in all). None when it cannot
-        be predicted."""
-        if not self.prev_rows:  # built without async scheduling: no such input
-            return None
-        sources, arrays = {s.request_id: (0, x.row) for s, x in reuse}, []
-        if reuse:
-            arrays.append(ahead.sampled.token_ids)
-        for run in runs:
-            if run[3]:
-                sources.update({x.sched.request_id: (len(arrays), x.row) for x in run[3]})
-                arrays.append(run[4].token_ids)
-        k = self.multi_step.k if self.multi_step is not None else 1
-        plan = (la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows, k)
-                if len(arrays) <= 2 else None)
-        if plan is None:
-            return None
-        predicted, index = plan
-        try:
-            t = pick_bucket(self._usable_buckets, len(predicted))
-        except ValueError:
-            return None
-        si = self.build_inputs(SchedulerOutput(predicted), t)
-        prev_index = si.prev_index.copy()
-        prev_index[:len(index)] = index  # one query row per sequence, in order
-        si = dataclasses.replace(si, prev_sampled=(arrays[0], arrays[-1]), prev_index=prev_index)
-        _, spans, sampled = self._dispatch(predicted, si)
-        self.num_ahead_dispatched += 1
-        return la.Ahead(predicted, spans, sampled)
-
-    def _dispatch(self, scheduled, si: StepInput):
+    def _dispatch(self, scheduled, si: StepInput, launch: bool = False):
         """(hidden or None, spans, sampled) of step `si` of `scheduled`: a multi-step decode's
         program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py), else
-        _step_and_sample."""
+        _step_and_sample. `launch`: a fused step is dispatched by the launcher's thread
+        (sampled is then a Future of the sampler's output)."""
         if self.multi_step is None or not self.multi_step.wanted(scheduled):
-            return self._step_and_sample(scheduled, si)
+            return self._step_and_sample(scheduled, si, launch and self.launcher is not None)
         spans, sampled, self.kv_cache, load = self.multi_step.dispatch(self.params, self.kv_cache, scheduled, si)
         self._count_experts(load)
         return None, spans, sampled
 
-    def _step_and_sample(self, scheduled, si: StepInput):
+    def _step_and_sample(self, scheduled, si: StepInput, launch: bool = False):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
         the sampler's output still on the device; None when nothing samples). A plain step
         samples inside its own program (jaxkv/sampling/fused_sampling.py)."""
@@ -359,17 +329,24 @@ class ModelRunner:
         if fused:
             spans = fs.spans(scheduled)
             si = fs.with_sampling(si, spans)
-        hidden = self.forward(si)
-        if fused:
             self.num_fused_sampling_steps += 1
-            tokens = self.last_sampled_tokens
-            return hidden, spans, smp.SamplerOutput(tokens, None, None, None, None)
+            if launch:  # (a step run ahead: no prompt logprobs, so no hidden needed)
+                return None, spans, self.launcher.launch(self._fused_step, si)
+            hidden = self.forward(si)
+            return hidden, spans, smp.SamplerOutput(self.last_sampled_tokens, None, None, None, None)
+        hidden = self.forward(si)
         with self.compiles:
             spans, idx = rows.layout(scheduled, si.query_start_loc)
             sampled = (self.sampler.dispatch(self.params, hidden, spans, idx,
                                               sample_rows(si.num_tokens, len(idx), self.max_num_seqs))
                        if spans else None)
         return hidden, spans, sampled
+
+    def _fused_step(self, si: StepInput) -> smp.SamplerOutput:
+        """Dispatch a step that samples in its program (on the launcher's thread); its
+        tokens, still on the device."""
+        self.forward(si)
+        return smp.SamplerOutput(self.last_sampled_tokens, None, None, None, None)
 
     def warmup(self) -> tuple[float, int]:
         """Compile every program of the warmup buckets (jaxkv.runner.compiler.compile_bucket)
@@ -397,4 +374,6 @@ class ModelRunner:
         usable with the buckets compiled so far."""
         if self.background is not None:
             self.background.stop()
+        if self.launcher is not None:
+            self.launcher.join(raise_error=False)
 

@@ -1,0 +1,90 @@
+"""The runner's side of async scheduling: the step run ahead, predicted by lookahead.py and
+dispatched from the launcher's thread (launcher.py). ModelRunner inherits it; it reads the
+runner's prev_rows, block_size, max_model_len, multi_step, build_inputs and _dispatch.
+
+The KV pool is read through `kv_cache`, which first waits for the launcher's call in flight:
+every program that uses the pool then follows the step run ahead on the device, in the order
+they were asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+
+from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.runner import lookahead as la
+from jaxkv.runner.buckets import pick_bucket
+from jaxkv.runner.launcher import Launcher
+
+
+class RunAhead:
+    """Async scheduling's state on the runner: the step run ahead (`_ahead`, a
+    lookahead.Ahead or None), the launcher that dispatches it (None: the engine thread
+    does), and the counts of steps run ahead (dispatched, used, discarded)."""
+    launcher: Launcher | None = None
+    _ahead: la.Ahead | None = None
+    num_ahead_dispatched = num_ahead_used = num_ahead_discarded = 0
+
+    @property
+    def kv_cache(self):
+        """The KV pool (KVPool), once the launcher's call in flight (if any) has dispatched
+        the step that updates it."""
+        if self.launcher is not None:
+            self.launcher.join()
+        return self._kv
+
+    @kv_cache.setter
+    def kv_cache(self, pool) -> None:
+        if self.launcher is not None:
+            self.launcher.join()
+        self._kv = pool
+
+    @property
+    def step_ahead_pending(self) -> bool:
+        """Whether a decode step run ahead (async scheduling) waits for the next execute()."""
+        return self._ahead is not None
+
+    def _take_ahead(self) -> la.Ahead | None:
+        """The step run ahead (None if none), taken for this step: dispatched by now (a step
+        of the engine ran since it was launched), its sampler output a device array. Raises
+        the launched call's error: this step's results were to come from it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self.launcher is not None:
+            self.launcher.join()
+            if isinstance(ahead.sampled, Future):
+                ahead.sampled = ahead.sampled.result()
+        return ahead
+
+    def _run_ahead(self, out: SchedulerOutput, reuse, ahead, runs) -> la.Ahead | None:
+        """Dispatch the predicted next step of `out` (jaxkv/runner/lookahead.py), its input
+        ids taken on the device from this step's sampled tokens: those of the sequences
+        computed ahead (`reuse`, rows of ahead.sampled) and of the ones run now (each of
+        `runs`' spans and sampler output; at most two outputs in all). None when it cannot
+        be predicted."""
+        if not self.prev_rows:  # built without async scheduling: no such input
+            return None
+        sources, arrays = {s.request_id: (0, x.row) for s, x in reuse}, []
+        if reuse:
+            arrays.append(ahead.sampled.token_ids)
+        for run in runs:
+            if run[3]:
+                sources.update({x.sched.request_id: (len(arrays), x.row) for x in run[3]})
+                arrays.append(run[4].token_ids)
+        k = self.multi_step.k if self.multi_step is not None else 1
+        plan = (la.plan(out.scheduled, sources, self.block_size, self.max_model_len, self.prev_rows, k)
+                if len(arrays) <= 2 else None)
+        if plan is None:
+            return None
+        predicted, index = plan
+        try:
+            t = pick_bucket(self._usable_buckets, len(predicted))
+        except ValueError:
+            return None
+        si = self.build_inputs(SchedulerOutput(predicted), t)
+        prev_index = si.prev_index.copy()
+        prev_index[:len(index)] = index  # one query row per sequence, in order
+        si = dataclasses.replace(si, prev_sampled=(arrays[0], arrays[-1]), prev_index=prev_index)
+        _, spans, sampled = self._dispatch(predicted, si, launch=True)
+        self.num_ahead_dispatched += 1
+        return la.Ahead(predicted, spans, sampled)
