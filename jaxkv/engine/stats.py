@@ -58,7 +58,7 @@ class EngineStats:
     num_async_steps_used: int = 0
     num_async_steps_discarded: int = 0
     # Of num_async_steps, those dispatched from the launcher's thread, off the engine thread
-    # (jaxkv/runner/launcher.py: fused single steps; multi-step ones are dispatched in line).
+    # (jaxkv/runner/launcher.py: fused single steps and k-step programs).
     num_launched_steps: int = 0
     # Multi-step decode (jaxkv/runner/multi_step.py): num_scheduler_steps, and the engine
     # steps that ran more than one decode step in one program (not in num_fused_sampling_steps).

@@ -312,13 +312,22 @@ class ModelRunner(RunAhead):
     def _dispatch(self, scheduled, si: StepInput, launch: bool = False):
         """(hidden or None, spans, sampled) of step `si` of `scheduled`: a multi-step decode's
         program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py), else
-        _step_and_sample. `launch`: a fused step is dispatched by the launcher's thread
-        (sampled is then a Future of the sampler's output)."""
+        _step_and_sample. `launch`: a fused step or a k-step program is dispatched by the
+        launcher's thread (sampled is then a Future of its output)."""
+        launch = launch and self.launcher is not None
         if self.multi_step is None or not self.multi_step.wanted(scheduled):
-            return self._step_and_sample(scheduled, si, launch and self.launcher is not None)
-        spans, sampled, self.kv_cache, load = self.multi_step.dispatch(self.params, self.kv_cache, scheduled, si)
+            return self._step_and_sample(scheduled, si, launch)
+        spans, si, plan = self.multi_step.prepare(scheduled, si)
+        if launch:
+            return None, spans, self.launcher.launch(self._multi_step_call, si, plan)
+        return None, spans, self._multi_step_call(si, plan)
+
+    def _multi_step_call(self, si: StepInput, plan):
+        """Dispatch a prepared k-step program (on the launcher's thread when launched); its
+        MultiOutput, still on the device."""
+        sampled, self.kv_cache, load = self.multi_step.call(self.params, self.kv_cache, si, plan)
         self._count_experts(load)
-        return None, spans, sampled
+        return sampled
 
     def _step_and_sample(self, scheduled, si: StepInput, launch: bool = False):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,

@@ -163,16 +163,18 @@ class MultiStep:
             return [scheduled] if scheduled else []
         return [multi, [s for s in scheduled if s.num_steps == 1]]
 
-    def dispatch(self, params, kv_cache, scheduled, si: StepInput):
-        """Dispatch the decode step of `scheduled` (its StepInput `si`, in a bucket with fused
-        sampling; a step run ahead has its prev_sampled and prev_index set): (its spans, the
-        program's MultiOutput still on the device, the updated pool, the experts' load or
-        None)."""
+    def prepare(self, scheduled, si: StepInput):
+        """The host side of the decode step of `scheduled` (its StepInput `si`, in a bucket
+        with fused sampling; a step run ahead has its prev_sampled and prev_index set): (its
+        spans, `si` with their sampling arrays, its PlanArrays), for `call`."""
         spans = fs.spans(scheduled)
         si = fs.with_sampling(si, spans)
         steps = np.fromiter((s.num_steps for s in scheduled), np.int32, len(scheduled))
-        plan = plan_arrays(si, steps, self.k, self.block_size, self.rope_table)
+        return spans, si, plan_arrays(si, steps, self.k, self.block_size, self.rope_table)
+
+    def call(self, params, kv_cache, si: StepInput, plan: PlanArrays):
+        """Dispatch the k-step program of a `prepare`d step: (its MultiOutput still on the
+        device, the updated pool, the experts' load or None)."""
         with self.compiles:
             exe = self.compiled.get((si.num_tokens, si.decode_only), self.program)
-            sampled, kv_cache, load = exe(params, kv_cache, si, plan)
-        return spans, sampled, kv_cache, load
+            return exe(params, kv_cache, si, plan)

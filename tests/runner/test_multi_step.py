@@ -56,7 +56,7 @@ def test_multi_step_gives_the_single_step_tokens(pair, params):
 def test_steady_multi_steps_are_dispatched_ahead(pair):
     """Async scheduling goes on through multi-steps: each k-step program after the first is
     dispatched before the last one's tokens reach the host, its next steps predicted as the
-    scheduler gives them (lookahead slots of k)."""
+    scheduler gives them (lookahead slots of k), from the launcher's thread."""
     _, multi = pair
     s0 = multi.stats()
     _check(pair, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
@@ -65,6 +65,9 @@ def test_steady_multi_steps_are_dispatched_ahead(pair):
     assert s.num_multi_steps - s0.num_multi_steps == 10
     assert s.num_async_steps_used - s0.num_async_steps_used == 10
     assert s.num_async_steps_discarded == s0.num_async_steps_discarded
+    # each from the launcher's thread (jaxkv/runner/launcher.py), the last one discarded or
+    # not yet taken when the requests end
+    assert s.num_launched_steps - s0.num_launched_steps == s.num_async_steps - s0.num_async_steps >= 10
 
 
 def test_the_k_step_programs_compile_with_their_buckets(pair):
