@@ -15,7 +15,9 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            engine thread's CPU time per decode step (stats().host_cpu_seconds), the device-only step
            (runner.forward, the step program without the LM head and the sampler, as the
            2026-12-04 probe timed it: one prebuilt decode StepInput, `reps` calls back to
-           back, one block at the end), and the host's dispatch per call.
+           back, one block at the end), and the host's dispatch per call. Each B twice: the
+           step run ahead dispatched on the engine thread ("launched": false), then from the
+           launcher's thread (true, the default; jaxkv/runner/launcher.py).
   trace    on that engine, a jax.profiler trace of 32 steady decode steps at batch 128 (the
            largest batch below it on a dry run): GPU busy time (the union of the kernels'
            intervals), idle time and share, kernels per step (None without GPU events).
@@ -150,10 +152,13 @@ def decode_engine(folder: str, p: dict, backend: str):
     return llm, most
 
 
-def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows) -> None:
-    """Batch `b`'s row, on the decode stage's engine."""
+def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: bool = True) -> None:
+    """Batch `b`'s row, on the decode stage's engine. `launch` False: the step run ahead is
+    dispatched on the engine thread instead of the launcher's (ModelRunner.launch_ahead;
+    jaxkv/runner/launcher.py), the side-by-side row."""
     import jax
-    n = p["decode_tokens"]
+    runner, n = llm.llm_engine.runner, p["decode_tokens"]
+    runner.launch_ahead = launch
     ps = prompts(np.random.default_rng(b), b, p["prompt_len"], cfg["vocab_size"])
     steady_decode(llm.llm_engine, ps, 2, "warm", most)  # the sampler's programs compile here
     dt, used, host_ms, steps = steady_decode(llm.llm_engine, ps, n, "run", most)
@@ -162,6 +167,7 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows) -> None:
     rows.add(stage="decode", batch=b, engine_ms_per_step=round(1e3 * dt / n, 3),
              tok_per_s=round(b * n / dt, 1), steps_dispatched_ahead=round(used, 3),
              host_cpu_ms_per_step=round(host_ms, 3), num_scheduler_steps=p["k"], engine_steps=steps,
+             launched=launch and runner.launcher is not None,
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), device=str(jax.devices()[0]))
 
@@ -378,7 +384,8 @@ def main(argv=None) -> None:
             llm, most = decode_engine(folder, p, backend)
             freeze_startup_heap()  # as `jaxkv serve` does (jaxkv/engine/gc_heap.py)
             for b in p["batches"]:
-                decode_row(llm, most, cfg, b, p, rows)
+                decode_row(llm, most, cfg, b, p, rows, launch=False)  # side by side:
+                decode_row(llm, most, cfg, b, p, rows)  # the step run ahead launched or not
                 if "trace" in a.stages and b == (128 if 128 in p["batches"] else p["batches"][-1]):
                     trace_row(llm, cfg, p, rows, b)
             llm = None

@@ -14,8 +14,9 @@ the call into the compiled program.
 Order: the worker runs one call at a time, in order, and every other use of the KV pool waits
 for the call in flight to return first (`join`; ModelRunner.kv_cache does so), so programs
 reach the device in the order they were asked for, as from one thread. A call that raises
-keeps its error until `join`, which raises it on the engine thread at the next step: the
-step whose results it was to compute is the one that fails and is undone.
+keeps its error until `join` raises it on the engine thread, when the next step takes the
+results (jaxkv/runner/run_ahead.py: those sequences then run in line, or, if the pool went
+with the failed call, that step fails and is undone).
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ class Launcher:
         """Wait until the call in flight has returned (its programs enqueued, not finished),
         then raise its error if it raised (once; `raise_error` False drops it). On the worker
         thread itself (the launched call reaching a join) it returns at once."""
-        if threading.get_ident() == self._worker:
+        pending = self._pending
+        if pending is None or threading.get_ident() == self._worker:
             return
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            error = pending.exception()
-            if error is not None and raise_error:
-                raise error
+        error = pending.exception()  # (interrupted here, the call stays pending: joined later)
+        if self._pending is pending:
+            self._pending = None
+        if error is not None and raise_error:
+            raise error
 
     def shutdown(self) -> None:
         """Join the call in flight (dropping its error) and stop the worker thread."""

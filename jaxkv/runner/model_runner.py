@@ -146,8 +146,10 @@ class ModelRunner(RunAhead):
         # (compiled with each bucket a decode step of up to max_num_seqs sequences pads to)
         self.multi_step_max_tokens = min((t for t in self.token_buckets if t >= self.max_num_seqs),
                                          default=self.token_buckets[-1])
-        # Async scheduling's step run ahead is dispatched from a thread of its own (launcher.py)
+        # Async scheduling's step run ahead is dispatched from a thread of its own (launcher.py;
+        # launch_ahead: a run-time switch, False dispatches it on the engine thread)
         self.launcher = Launcher() if self.prev_rows and not enforce_eager and self.mesh is None else None
+        self.launch_ahead = True
 
     def step_fn(self, params, kv_cache, step: StepInput):
         """The model step, not jitted: (params, KVPool, StepInput) -> (hidden
@@ -252,16 +254,11 @@ class ModelRunner(RunAhead):
             self.launcher.join(raise_error=False)  # (its error is the one being undone)
         if self.leader is not None:
             self.leader.recovered()
-        try:
-            for a in jax.tree.leaves(self.kv_cache):
-                if a.is_deleted():
-                    raise RuntimeError("KV pool donated to a step that did not finish")
-                a.block_until_ready()
+        if self._pool_intact():
             return False
-        except Exception:  # noqa: BLE001 - any failure to read it back means it is lost
-            self.kv_cache = None  # let the old buffers go before the new pool is allocated
-            self.kv_cache = self._new_kv_cache()
-            return True
+        self.kv_cache = None  # let the old buffers go before the new pool is allocated
+        self.kv_cache = self._new_kv_cache()
+        return True
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, bucket: int | None = None) -> RunnerOutput:
@@ -314,7 +311,7 @@ class ModelRunner(RunAhead):
         program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py), else
         _step_and_sample. `launch`: a fused step or a k-step program is dispatched by the
         launcher's thread (sampled is then a Future of its output)."""
-        launch = launch and self.launcher is not None
+        launch = launch and self.launcher is not None and self.launch_ahead
         if self.multi_step is None or not self.multi_step.wanted(scheduled):
             return self._step_and_sample(scheduled, si, launch)
         spans, si, plan = self.multi_step.prepare(scheduled, si)

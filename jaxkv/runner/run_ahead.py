@@ -10,12 +10,17 @@ they were asked for.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import Future
+
+import jax
 
 from jaxkv.core.scheduler_output import SchedulerOutput
 from jaxkv.runner import lookahead as la
 from jaxkv.runner.buckets import pick_bucket
 from jaxkv.runner.launcher import Launcher
+
+logger = logging.getLogger("jaxkv")
 
 
 class RunAhead:
@@ -47,14 +52,36 @@ class RunAhead:
 
     def _take_ahead(self) -> la.Ahead | None:
         """The step run ahead (None if none), taken for this step: dispatched by now (a step
-        of the engine ran since it was launched), its sampler output a device array. Raises
-        the launched call's error: this step's results were to come from it."""
+        of the engine ran since it was launched), its sampler output a device array. If its
+        launched call failed, it is discarded: with the pool intact, None (this step runs
+        those sequences in line; a lasting fault raises there); else the call's error is
+        raised (the step is undone and every request recomputes)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and self.launcher is not None:
+        if ahead is None or self.launcher is None:
+            return ahead
+        try:
             self.launcher.join()
-            if isinstance(ahead.sampled, Future):
-                ahead.sampled = ahead.sampled.result()
+        except Exception as e:  # noqa: BLE001 - its dispatch failed
+            self.num_ahead_discarded += 1
+            if not self._pool_intact():
+                raise
+            logger.warning("a step run ahead failed to dispatch (%s); its sequences run in line", e)
+            return None
+        if isinstance(ahead.sampled, Future):
+            ahead.sampled = ahead.sampled.result()
         return ahead
+
+    def _pool_intact(self) -> bool:
+        """Whether the KV pool survived the programs dispatched so far (none took it donated
+        and failed, none left an error in it); waits for them."""
+        try:
+            for a in jax.tree.leaves(self.kv_cache):
+                if a.is_deleted():
+                    return False
+                a.block_until_ready()
+            return True
+        except Exception:  # noqa: BLE001 - any failure to read it back means it is lost
+            return False
 
     def _run_ahead(self, out: SchedulerOutput, reuse, ahead, runs) -> la.Ahead | None:
         """Dispatch the predicted next step of `out` (jaxkv/runner/lookahead.py), its input

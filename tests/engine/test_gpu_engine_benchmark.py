@@ -22,8 +22,9 @@ def test_the_dry_run_writes_every_stage(tmp_path):
     by = {}
     for r in rows:
         by.setdefault(r["stage"], []).append(r)
-    assert [(r["batch"], r["num_scheduler_steps"]) for r in by["decode"]] == [(1, 1), (4, 1), (1, 4), (4, 4)]
-    assert by["decode"][-1]["engine_steps"] < by["decode"][1]["engine_steps"]  # 4 tokens a step
+    assert [(r["batch"], r["num_scheduler_steps"], r["launched"]) for r in by["decode"]] == [
+        (1, 1, False), (1, 1, True), (4, 1, False), (4, 1, True), (1, 4, True), (4, 4, True)]
+    assert by["decode"][-1]["engine_steps"] < by["decode"][3]["engine_steps"]  # 4 tokens a step
     for r in by["decode"]:
         assert r["engine_ms_per_step"] > 0 and r["device_step_ms"] > 0 and r["dispatch_ms"] > 0
         assert 0 <= r["steps_dispatched_ahead"] <= 1

@@ -4,6 +4,7 @@ outputs are those of synchronous scheduling, also when a launched step fails."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -69,36 +70,108 @@ def test_steps_run_ahead_are_launched_off_the_engine_thread(llm, monkeypatch):
     assert _idle(llm)
 
 
-def test_a_launched_step_that_fails_is_undone_at_the_next_step(llm, monkeypatch):
-    """The error of a step dispatched from the launcher's thread surfaces when the engine
-    takes that step's results (its next step), which is undone: its requests recompute and
-    end as they would have, and every block comes back."""
-    engine, runner = llm.llm_engine, llm.llm_engine.runner
-    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 7, 15)]
-    monkeypatch.setattr(runner, "async_scheduling", False)
-    ref = llm.generate(PROMPTS[:4], [SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=2)
-                                     for p in params], use_tqdm=False)
-    monkeypatch.setattr(runner, "async_scheduling", True)
-    real, calls = runner._fused_step, []
+def _reference(llm, params):
+    return llm.generate(PROMPTS[:4], [SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=2)
+                                      for p in params], use_tqdm=False)
 
-    def fused_step(si):
+
+def _fail_third_launch(monkeypatch, runner, after_call: bool):
+    """The third step program called on the launcher's thread raises, before or after the
+    program ran (after: the pool it was given is donated, and its successor is lost)."""
+    real, calls = runner._run_step, []
+
+    def run_step(*args):
         calls.append(threading.current_thread().name)
-        if calls.count("jaxkv-dispatch_0") == 3 and calls[-1] == "jaxkv-dispatch_0":
+        third = calls.count("jaxkv-dispatch_0") == 3 and calls[-1] == "jaxkv-dispatch_0"
+        if third and not after_call:
             raise RuntimeError("injected launched-step failure")
-        return real(si)
-    monkeypatch.setattr(runner, "_fused_step", fused_step)
+        out = real(*args)
+        if third:
+            raise RuntimeError("injected launched-step failure")
+        return out
+    monkeypatch.setattr(runner, "_run_step", run_step)
+
+
+def _add(engine, params):
     for i, (p, sp) in enumerate(zip(PROMPTS[:4], params)):
         engine.add_request(str(i), p, sp)
-    with pytest.raises(RuntimeError, match="injected launched-step"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert not runner.launcher.busy
+
+
+def _finish(engine) -> dict:
     done = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
+    return done
+
+
+def test_a_launched_step_that_fails_leaving_the_pool_runs_its_sequences_in_line(llm, monkeypatch, caplog):
+    """The error of a step dispatched from the launcher's thread is found when the engine
+    takes that step's results (its next step); the pool intact, that step runs those
+    sequences in line (a warning is logged) and every token is the synchronous engine's."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 7, 15)]
+    monkeypatch.setattr(runner, "async_scheduling", False)
+    ref = _reference(llm, params)
+    monkeypatch.setattr(runner, "async_scheduling", True)
+    _fail_third_launch(monkeypatch, runner, after_call=False)
+    discarded = engine.stats().num_async_steps_discarded
+    _add(engine, params)
+    log = logging.getLogger("jaxkv")  # it does not propagate to the root logger caplog watches
+    log.addHandler(caplog.handler)
+    try:
+        done = _finish(engine)  # no error reaches the caller
+    finally:
+        log.removeHandler(caplog.handler)
+    assert [done[str(i)] for i in range(4)] == [o.outputs[0].token_ids for o in ref]
+    assert "a step run ahead failed to dispatch" in caplog.text
+    assert engine.stats().num_async_steps_discarded == discarded + 1
+    assert _idle(llm)
+
+
+def test_a_launched_step_that_fails_taking_the_pool_is_undone_at_the_next_step(llm, monkeypatch):
+    """A launched call that fails after its program took the pool (donated) leaves no pool:
+    the next step raises and is undone, the pool is reallocated, every request recomputes
+    and ends as it would have, and every block comes back."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 7, 15)]
+    monkeypatch.setattr(runner, "async_scheduling", False)
+    ref = _reference(llm, params)
+    monkeypatch.setattr(runner, "async_scheduling", True)
+    _fail_third_launch(monkeypatch, runner, after_call=True)
+    _add(engine, params)
+    with pytest.raises(RuntimeError, match="injected launched-step"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert not runner.launcher.busy
+    done = _finish(engine)
     for i, o in enumerate(ref):  # (recomputed K/V: equal tokens, or a near tie after one)
         assert_same_or_near_tie(done[str(i)], o.outputs[0].token_ids,
                                 margins_from_logprobs(o.outputs[0].logprobs), what=str(i))
     assert _idle(llm)
+
+
+def test_an_interrupted_join_keeps_the_call_pending():
+    """Ctrl-C while the engine thread waits for the call in flight: the call stays pending,
+    and the next join waits for it (the pool is never used while a call may donate it)."""
+    import time
+    launcher, started, release = Launcher(), threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(5)
+        return "done"
+    future = launcher.launch(slow)
+    started.wait(5)
+    real = future.exception
+    future.exception = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())  # the wait, interrupted
+    with pytest.raises(KeyboardInterrupt):
+        launcher.join()
+    future.exception = real
+    assert launcher.busy
+    threading.Timer(0.2, release.set).start()
+    t0 = time.perf_counter()
+    launcher.join()
+    assert time.perf_counter() - t0 > 0.1 and future.result() == "done" and not launcher.busy
+    launcher.shutdown()
