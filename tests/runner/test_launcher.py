@@ -70,9 +70,20 @@ def test_steps_run_ahead_are_launched_off_the_engine_thread(llm, monkeypatch):
     assert _idle(llm)
 
 
-def _reference(llm, params):
-    return llm.generate(PROMPTS[:4], [SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=2)
-                                      for p in params], use_tqdm=False)
+def _reference_then_fail(llm, monkeypatch, after_call: bool):
+    """The synchronous engine's outputs of 4 greedy requests (logprobs for the margins), then
+    the third launched step made to fail (`_fail_third_launch`) and the requests added to
+    the engine with async scheduling on."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 7, 15)]
+    monkeypatch.setattr(runner, "async_scheduling", False)
+    ref = llm.generate(PROMPTS[:4], [SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=2)
+                                     for p in params], use_tqdm=False)
+    monkeypatch.setattr(runner, "async_scheduling", True)
+    _fail_third_launch(monkeypatch, runner, after_call)
+    for i, (p, sp) in enumerate(zip(PROMPTS[:4], params)):
+        engine.add_request(str(i), p, sp)
+    return ref
 
 
 def _fail_third_launch(monkeypatch, runner, after_call: bool):
@@ -92,11 +103,6 @@ def _fail_third_launch(monkeypatch, runner, after_call: bool):
     monkeypatch.setattr(runner, "_run_step", run_step)
 
 
-def _add(engine, params):
-    for i, (p, sp) in enumerate(zip(PROMPTS[:4], params)):
-        engine.add_request(str(i), p, sp)
-
-
 def _finish(engine) -> dict:
     done = {}
     while engine.has_unfinished_requests():
@@ -110,14 +116,9 @@ def test_a_launched_step_that_fails_leaving_the_pool_runs_its_sequences_in_line(
     """The error of a step dispatched from the launcher's thread is found when the engine
     takes that step's results (its next step); the pool intact, that step runs those
     sequences in line (a warning is logged) and every token is the synchronous engine's."""
-    engine, runner = llm.llm_engine, llm.llm_engine.runner
-    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 7, 15)]
-    monkeypatch.setattr(runner, "async_scheduling", False)
-    ref = _reference(llm, params)
-    monkeypatch.setattr(runner, "async_scheduling", True)
-    _fail_third_launch(monkeypatch, runner, after_call=False)
+    engine = llm.llm_engine
     discarded = engine.stats().num_async_steps_discarded
-    _add(engine, params)
+    ref = _reference_then_fail(llm, monkeypatch, after_call=False)
     log = logging.getLogger("jaxkv")  # it does not propagate to the root logger caplog watches
     log.addHandler(caplog.handler)
     try:
@@ -135,12 +136,7 @@ def test_a_launched_step_that_fails_taking_the_pool_is_undone_at_the_next_step(l
     the next step raises and is undone, the pool is reallocated, every request recomputes
     and ends as it would have, and every block comes back."""
     engine, runner = llm.llm_engine, llm.llm_engine.runner
-    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 7, 15)]
-    monkeypatch.setattr(runner, "async_scheduling", False)
-    ref = _reference(llm, params)
-    monkeypatch.setattr(runner, "async_scheduling", True)
-    _fail_third_launch(monkeypatch, runner, after_call=True)
-    _add(engine, params)
+    ref = _reference_then_fail(llm, monkeypatch, after_call=True)
     with pytest.raises(RuntimeError, match="injected launched-step"):
         while engine.has_unfinished_requests():
             engine.step()
