@@ -43,6 +43,24 @@ def test_the_dry_run_writes_every_stage(tmp_path):
     assert smoke["prefix_hits"]["hits"] > 0 and "structured_outputs" in smoke
 
 
+def test_the_command_buffer_variants_dry_run(tmp_path):
+    """benchmarks/gpu_flags.sh --cpu-dry-run: the decode and trace stages once per XLA_FLAGS
+    variant (command buffers as shipped, off, every type): the flags parse and every variant
+    writes its rows (XLA:CPU ignores them; the H200 is where they count)."""
+    p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    status = [line.split("\t") for line in (tmp_path / "flags.tsv").read_text().splitlines()]
+    assert [(v, ok) for v, ok, *_ in status] == [("default", "ok"), ("off", "ok"), ("all", "ok")]
+    assert "CONDITIONAL,WHILE" in status[2][3]
+    for variant in ("default", "off", "all"):
+        rows = [json.loads(x) for x in (tmp_path / f"flags_{variant}" / "5_gpu_engine.jsonl").read_text().splitlines()]
+        decode = [(r["batch"], r["launched"]) for r in rows if r["stage"] == "decode"]
+        assert decode == [(1, False), (1, True), (4, False), (4, True)], variant
+        assert [r["stage"] for r in rows].count("trace") == 1
+
+
 def test_gpu_idle_time_from_a_trace(tmp_path):
     """Two steps on a GPU process, 5 ms apart, one kernel overlapping another on a second
     stream (counted once in the busy time): busy, idle, the idle share and kernels per step

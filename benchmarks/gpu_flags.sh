@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 38, item 4, on a lent GPU, in a call of its own after gpu_check.sh (about 5 minutes):
+# does XLA's command buffer (CUDA graphs) cut the ~520 kernel launches of a step? The decode
+# and trace stages of benchmarks/gpu_engine.py (Llama-3-8B shapes, random weights; batch 1 and
+# 128, each with the step run ahead dispatched on the engine thread and from the launcher's;
+# the trace's GPU idle share and kernels per step at 128) once per XLA_FLAGS variant:
+#   default   the command buffer as jax ships it
+#   off       --xla_gpu_enable_command_buffer= (every kernel launched one by one)
+#   all       every command type, conditionals (fused sampling's switch) and loops (multi-step)
+#             included, in graphs from one op up
+#
+#   bash benchmarks/gpu_flags.sh                 # on the GPU machine
+#   bash benchmarks/gpu_flags.sh --cpu-dry-run   # a tiny model on the CPU: the flags parse,
+#                                                # XLA:CPU ignores them (a test runs this)
+#
+# Rows: $OUT/flags_<variant>/5_gpu_engine.jsonl (else benchmarks/results/gpu/flags_<variant>);
+# each variant's status, seconds and flags in $OUT/flags.tsv. A variant that fails (a flag this
+# jaxlib does not know) is recorded and the next one still runs. Compare the variants' rows of
+# one run only.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+RES=${OUT:-$ROOT/benchmarks/results/gpu}
+mkdir -p "$RES"
+if [[ "${1:-}" == "--cpu-dry-run" ]]; then
+  export JAX_PLATFORMS=cpu
+  ARGS=(--cpu-dry-run --batches 1 4 --stages decode trace)
+  LIMIT=240
+else
+  ARGS=(--config benchmarks/configs/llama3-8b --batches 1 128 --stages decode trace)
+  LIMIT=150
+fi
+ALL=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION
+: > "$RES/flags.tsv"
+fail=0
+for variant in default off all; do
+  case $variant in
+    default) flags="" ;;
+    off) flags="--xla_gpu_enable_command_buffer=" ;;
+    all) flags="--xla_gpu_enable_command_buffer=$ALL --xla_gpu_graph_min_graph_size=1" ;;
+  esac
+  out="$RES/flags_$variant"
+  mkdir -p "$out"
+  t0=$SECONDS
+  combined="${XLA_FLAGS:-}"
+  [[ -n "$flags" ]] && combined="${combined:+$combined }$flags"
+  XLA_FLAGS="$combined" OUT="$out" \
+    timeout --signal=TERM --kill-after=10 "$LIMIT" $PY -m benchmarks.forbid_imports benchmarks.gpu_engine "${ARGS[@]}" > "$out/log.txt" 2>&1
+  rc=$?
+  printf '%s\t%s\t%ss\t%s\n' "$variant" "$([[ $rc == 0 ]] && echo ok || echo "failed($rc)")" \
+    "$((SECONDS - t0))" "$flags" | tee -a "$RES/flags.tsv"
+  [[ $rc == 0 ]] || { fail=1; tail -5 "$out/log.txt"; }
+done
+exit $fail
