@@ -241,13 +241,6 @@ class KVCacheManager:
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return True
 
-    def holds_slots(self, req: Request, num_tokens: int) -> bool:
-        """Whether the blocks `req` holds already cover `num_tokens` tokens after its computed
-        ones (allocate_slots would then allocate nothing: a lookahead slot inside its last
-        block, the steady decode step's case)."""
-        blocks = self.req_to_blocks.get(req.request_id)
-        return blocks is not None and req.num_computed_tokens + num_tokens <= len(blocks) * self.block_size
-
     def _skip_hits_behind_window(self, num_computed: int, held: int, hits: list[int],
                                  loads: list[BlockHash]) -> tuple:
         """With a sliding window, the prefix hits (device blocks, then lower-tier loads) that

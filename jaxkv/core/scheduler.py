@@ -174,9 +174,8 @@ class Scheduler:
             done = req.num_computed_tokens + n  # (per sequence per step: no properties)
             extra = min(ahead, max_len - done - m + 1)
             if (extra > 0 and done == len(req.all_token_ids)
-                    and len(req.output_token_ids) + m < req.sampling_params.max_tokens
-                    and not kv.holds_slots(req, n + m - 1 + extra)):
-                kv.allocate_slots(req, n + m - 1 + extra)
+                    and len(req.output_token_ids) + m < req.sampling_params.max_tokens):
+                kv.allocate_slots(req, n + m - 1 + extra)  # (returns at once when held)
 
     def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft
@@ -294,8 +293,7 @@ class Scheduler:
                 if req.grammar is not None and not req.grammar.accept(token):
                     upd.finished = RequestStatus.FINISHED_ERROR  # the token is dropped
                     break
-                req.output_token_ids.append(token)  # (Request.append_output_token, inline:
-                req.all_token_ids.append(token)  # this runs per sequence per step)
+                req.append_output_token(token)
                 upd.new_token_ids.append(token)
                 times = req.times
                 if times.first_token_time is None:
