@@ -72,21 +72,11 @@ def _host_free(s: ScheduledRequest) -> bool:
     """Whether `s` samples (one token, or one per step of a multi-step decode) and its next
     step's inputs do not depend on those tokens on the host (no history penalties,
     bad_words, grammar, drafts or prompt logprobs)."""
-    return _host_free_row(s) and _host_free_params(s.sampling_params)
-
-
-def _host_free_row(s: ScheduledRequest) -> bool:
-    """_host_free's checks of the step itself (sampling, no drafts, history, grammar mask
-    or prompt logprobs)."""
+    p = s.sampling_params
     return (s.sample and not s.spec_token_ids and s.prompt_token_ids is None
             and s.output_token_ids is None and s.grammar_bitmask is None
-            and not s.prompt_logprob_targets)
-
-
-def _host_free_params(p) -> bool:
-    """_host_free's checks of the SamplingParams (no grammar, bad_words or penalties)."""
-    return (getattr(p, "structured_outputs", None) is None and not getattr(p, "bad_words", None)
-            and not p.has_penalties)
+            and not s.prompt_logprob_targets and getattr(p, "structured_outputs", None) is None
+            and not getattr(p, "bad_words", None) and not p.has_penalties)
 
 
 def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
@@ -96,8 +86,8 @@ def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
             and s.sampling_params is q.sampling_params and s.request_id == q.request_id
             and s.num_output_tokens == q.num_output_tokens and s.num_steps == q.num_steps
             and s.seed == q.seed and s.sample_index == q.sample_index
-            and s.min_tokens_banned_ids == q.min_tokens_banned_ids and _host_free_row(s)
-            and _host_free_params(s.sampling_params) and _same_blocks(s.block_ids, q.block_ids))
+            and s.min_tokens_banned_ids == q.min_tokens_banned_ids and _host_free(s)
+            and _same_blocks(s.block_ids, q.block_ids))
 
 
 def _same_blocks(now: list[int], predicted: list[int]) -> bool:
