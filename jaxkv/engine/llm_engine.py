@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxkv.engine_args import EngineArgs
 from jaxkv.engine_config import EngineConfig
+from jaxkv.engine.core_output import EngineCoreOutput, core_output, core_outputs
 from jaxkv.engine.core_request import EngineCoreRequest
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.disk_tier import CorruptBlockError
@@ -62,9 +63,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._seed_rng = np.random.default_rng(config.seed)
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_steps = 0  # steps that ran a batch, and the calling thread's CPU seconds in
-        self.host_cpu_seconds = 0.0  # all step() calls (the host's work: waits cost none)
+        self.num_steps = 0  # steps that ran a batch, and the engine thread's CPU seconds in
+        self.host_cpu_seconds = 0.0  # engine_core_step (the host's work: waits cost none)
         self._pending_outputs: list[RequestOutput] = []  # made by a step that then raised
         if scheduler.structured_output_manager is None:
             raise ValueError("LLMEngine needs a Scheduler built with a StructuredOutputManager "
@@ -75,6 +75,11 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         from jaxkv.engine.setup import build_engine
         return build_engine(cls, args)
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """Output tokens handed out so far (none past a stop string)."""
+        return self.output_processor.num_generation_tokens
 
     # ---- intake -------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -162,7 +167,7 @@ class LLMEngine:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         op = self.output_processor
-        in_use = lambda rid: rid in op.groups or rid in op.child_to_group or rid in self.scheduler.requests  # noqa: E731
+        in_use = lambda rid: rid in op.groups or rid in op.samples or rid in self.scheduler.requests  # noqa: E731
         for rid in [request_id] + [child_request_id(request_id, j, n) for j in range(n)]:
             if in_use(rid):
                 what = "" if rid == request_id else f" (the id of its sample {rid!r} is taken)"
@@ -198,7 +203,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one jitted step, sample, and return this step's outputs (shaped by
-        each request's output_kind).
+        each request's output_kind): engine_core_step, then process_outputs.
 
         If scheduling or the runner raises (an XLA error, KeyboardInterrupt), the step is
         undone before the error propagates: nothing it registered in the prefix cache
@@ -206,71 +211,66 @@ class LLMEngine:
         every request recomputes. The engine stays usable (call step() again, or abort). A
         damaged disk-tier block file is the exception that does not propagate: the step is
         undone the same way and the next one computes those blocks instead."""
+        outputs = self.process_outputs(self.engine_core_step())
+        pending, self._pending_outputs = self._pending_outputs, []  # older ones first
+        return pending + outputs
+
+    def engine_core_step(self) -> list[EngineCoreOutput]:
+        """The engine's part of a step (vLLM V1's EngineCore.step): schedule, run, and
+        apply the sampled tokens and token-level stops; returns what it did to each
+        sequence, for the output processor (on this thread or another one). Its thread's
+        CPU time adds to host_cpu_seconds."""
         t0 = time.thread_time()
         try:
-            return self._step()
+            return self._core_step()
         finally:
             self.host_cpu_seconds += time.thread_time() - t0
 
-    def _step(self) -> list[RequestOutput]:
+    def _core_step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler
-        try:  # schedule -> execute_model -> update_from_output -> outputs
+        try:  # schedule -> execute_model -> update_from_output
             # (Async scheduling: the sequences of a step run ahead take its results; new
             # prompts run beside it, jaxkv/runner/lookahead.py.)
             out = sched.schedule()
             if not out.scheduled:
                 if out.kv_transfers:  # a swap-out with nothing to run: copy it all the same
                     self.runner.execute(out)
-                pending, self._pending_outputs = self._pending_outputs, []
-                return pending
+                return []
             res = self.runner.execute(out)
             self.num_steps += 1
         except CorruptBlockError as e:  # a damaged disk-tier file (deleted): compute it again
             self._undo_failed_step()
             logger.warning("%s; its requests compute those blocks again", e)
-            pending, self._pending_outputs = self._pending_outputs, []
-            return pending
+            return []
         except BaseException:
             self._undo_failed_step()
             raise
-        outputs = self._process_updates(sched.update_from_output(out, res), res)
-        pending, self._pending_outputs = self._pending_outputs, []  # older ones first
-        return pending + outputs
+        return core_outputs(sched.update_from_output(out, res), res)
 
-    def _process_updates(self, updates, res) -> list[RequestOutput]:
-        """Text, stop strings and RequestOutputs for what update_from_output applied.
+    def process_outputs(self, core: list[EngineCoreOutput], every_sample: bool = False) -> list[RequestOutput]:
+        """RequestOutputs of `core` (OutputProcessor.process), on this thread; the sequences
+        a stop string ended are finished in the engine at once (stop_requests).
 
         An error (or Ctrl-C) while one request's text is processed does not lose the others:
-        every update is processed, the outputs are kept for the next step() to return, and
-        the first error is raised at the end."""
-        op, changed, touched, error = self.output_processor, set(), {}, None
-        for upd in updates:
-            req = upd.request
-            rid = req.request_id
-            try:
-                if rid in res.prompt_logprobs:
-                    op.add_prompt_logprobs(req, upd.first_position + 1, res.prompt_logprobs[rid])
-                lps, first = res.logprobs.get(rid), req.num_output_tokens - len(upd.new_token_ids)
-                for j, token in enumerate(upd.new_token_ids):
-                    self.num_generation_tokens += 1
-                    stop_str = op.process_token(req, token, lps[j] if lps else None, first + j)
-                    if stop_str is not None:  # wins over a length finish of this token, as vLLM
-                        # Tokens after it (accepted drafts of the same step) are dropped.
-                        req.truncate_output(req.num_output_tokens - (len(upd.new_token_ids) - j - 1))
-                        req.stop_reason = stop_str
-                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                        break
-            except BaseException as e:  # noqa: BLE001 - raised below, after the others
-                error = error or e
-            if upd.new_token_ids or upd.finished is not None:  # an error finish adds no token
-                changed.add(rid)
-                g = op.child_to_group[rid]
-                touched[g.request_id] = g
-        outputs = [o for g in touched.values() if (o := op.make_output(g, changed)) is not None]
+        every output is processed, the RequestOutputs are kept for the next step() to return,
+        and the first error is raised at the end."""
+        outputs, stops, error = self.output_processor.process(core, every_sample)
+        self.stop_requests(stops)
         if error is not None:
             self._pending_outputs += outputs
             raise error
         return outputs
+
+    def stop_requests(self, stops) -> None:
+        """Finish in the engine the sequences the output processor found a stop string in:
+        (sequence id, stop string, output tokens kept) each; tokens sampled after it are
+        dropped and the blocks freed. Sequences already finished are skipped."""
+        for rid, stop_str, keep in stops:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                req.truncate_output(keep)
+                req.stop_reason = stop_str
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
 
     def _undo_failed_step(self) -> None:
         try:
@@ -284,23 +284,30 @@ class LLMEngine:
                        if lost else "")
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
-        """Abort requests (user ids, all n samples); their blocks are freed at once."""
+        """Abort requests (user ids, all n samples); their blocks are freed at once.
+        Returns their final RequestOutputs."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         gone = set(request_ids)  # outputs held back from a failed step are superseded
         self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in gone]
-        outs = []
+        return self.process_outputs(self.abort_core(request_ids), every_sample=True)
+
+    def abort_core(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """The engine's part of an abort: finish the samples of `request_ids` (user ids;
+        unknown ones skipped) that still run, freeing their blocks; one finished
+        EngineCoreOutput per sample not yet finished for the output processor."""
+        core, now = [], time.monotonic()
         for rid in request_ids:
             g = self.output_processor.groups.get(rid)
-            if g is None:
-                continue
-            for c in g.children:
-                if not c.status.is_finished:
-                    self.scheduler.finish(c, RequestStatus.FINISHED_ABORTED)
-            o = self.output_processor.make_output(g, {c.request_id for c in g.children})
-            if o is not None:
-                outs.append(o)
-        return outs
+            for s in g.samples if g is not None else ():
+                req = self.scheduler.requests.get(s.request_id)
+                if req is not None:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                    core.append(core_output(req, []))
+                elif s.finished is None:  # ended in the engine, its output not processed yet
+                    core.append(EngineCoreOutput(s.request_id, [], finished=RequestStatus.FINISHED_ABORTED,
+                                                 finished_time=now))
+        return core
 
     # ---- introspection ------------------------------------------------------------------
     def get_tokenizer(self):
@@ -337,6 +344,7 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            output_cpu_seconds=self.output_processor.cpu_seconds,
             num_preemptions=self.scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
             tensor_parallel_size=self.config.runner.tensor_parallel_size,

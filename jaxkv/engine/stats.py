@@ -32,11 +32,13 @@ class EngineStats:
     # perfectly even; None before any step or for a dense model).
     moe_expert_tokens: tuple[int, ...] = ()
     moe_load_imbalance: float | None = None
-    # Engine steps that ran a batch, and the CPU seconds of the thread calling step() over all
-    # calls (the host's work per step: scheduling, inputs, dispatch, outputs; waiting for the
-    # device costs none).
+    # Engine steps that ran a batch, the CPU seconds of the engine thread in them (the host's
+    # work per step: scheduling, inputs, dispatch, applying the sampled tokens; waiting for
+    # the device costs none), and the CPU seconds of output processing (detokenizing, stop
+    # strings, RequestOutputs: on AsyncLLM's output thread, or in LLMEngine.step's caller).
     num_steps: int = 0
     host_cpu_seconds: float = 0.0
+    output_cpu_seconds: float = 0.0
     # A model whose every layer is windowed: the window behind which the KV cache manager
     # frees a sequence's blocks (None: every block is kept), and the blocks freed so far.
     kv_sliding_window: int | None = None
