@@ -12,7 +12,8 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            over N decode steps (LLMEngine.step, async scheduling on; with
            --num-scheduler-steps k, about N / k engine steps of k decode steps each), the share
            of engine steps that used a step dispatched ahead (stats().num_async_steps_used), the
-           engine thread's CPU time per decode step (stats().host_cpu_seconds), the device-only step
+           engine thread's CPU time per decode step (stats().host_cpu_seconds) and output
+           processing's apart (output_cpu_seconds: AsyncLLM's output thread), the device-only step
            (runner.forward, the step program without the LM head and the sampler, as the
            2026-12-04 probe timed it: one prebuilt decode StepInput, `reps` calls back to
            back, one block at the end), and the host's dispatch per call. Each B twice: the
@@ -112,7 +113,8 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
     engine steps until every one has `n` more tokens (n decode steps: n engine steps, or
     fewer with multi-step decode; inside the context `around()`: a profiler trace), then
     abort them; returns (seconds, the share of engine steps that used a step dispatched
-    ahead, the engine thread's CPU ms per decode step, engine steps)."""
+    ahead, the engine thread's CPU ms per decode step, engine steps, output processing's
+    CPU ms per decode step: AsyncLLM's output thread's share, here on the same thread)."""
     from jaxkv import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"{tag}{i}" for i in range(len(ps))]
@@ -130,10 +132,11 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
         dt, after = time.perf_counter() - t0, engine.stats()
     used = after.num_async_steps_used - before.num_async_steps_used
     host_ms = 1e3 * (after.host_cpu_seconds - before.host_cpu_seconds) / n
+    output_ms = 1e3 * (after.output_cpu_seconds - before.output_cpu_seconds) / n
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return dt, used / steps, host_ms, steps
+    return dt, used / steps, host_ms, steps, output_ms
 
 
 def decode_engine(folder: str, p: dict, backend: str):
@@ -161,12 +164,13 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
     runner.launch_ahead = launch
     ps = prompts(np.random.default_rng(b), b, p["prompt_len"], cfg["vocab_size"])
     steady_decode(llm.llm_engine, ps, 2, "warm", most)  # the sampler's programs compile here
-    dt, used, host_ms, steps = steady_decode(llm.llm_engine, ps, n, "run", most)
+    dt, used, host_ms, steps, output_ms = steady_decode(llm.llm_engine, ps, n, "run", most)
     context = min(p["prompt_len"] + 32, llm.llm_engine.max_model_len - 1)  # the 12-04 probe's 160
     step_ms, dispatch_ms = device_step(llm, b, context, p["reps"], cfg["vocab_size"])
     rows.add(stage="decode", batch=b, engine_ms_per_step=round(1e3 * dt / n, 3),
              tok_per_s=round(b * n / dt, 1), steps_dispatched_ahead=round(used, 3),
-             host_cpu_ms_per_step=round(host_ms, 3), num_scheduler_steps=p["k"], engine_steps=steps,
+             host_cpu_ms_per_step=round(host_ms, 3), output_cpu_ms_per_step=round(output_ms, 3),
+             num_scheduler_steps=p["k"], engine_steps=steps,
              launched=launch and runner.launcher is not None,
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), device=str(jax.devices()[0]))

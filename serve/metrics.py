@@ -6,7 +6,7 @@ kv_cache_usage_perc, cache_config_info).
 Names, meanings and histogram bucket edges follow vLLM's V1 PrometheusStatLogger
 (vllm/v1/metrics/loggers.py). Gauges and counters are read from the engine's stats at scrape
 time (EngineStats, the same numbers as `LLM.stats()`); histograms and the per-reason success
-counter are fed from RequestOutput.metrics on the engine thread after every step
+counter are fed from RequestOutput.metrics on the output thread after every step
 (`record(outputs)`). Every series carries the label model_name.
 """
 
@@ -72,6 +72,8 @@ _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache quer
              ("engine_steps", "num_steps", "Engine steps that ran a batch."),
              ("engine_host_cpu_seconds", "host_cpu_seconds",
               "CPU seconds of the engine thread in its steps (the host's work; waits cost none)."),
+             ("engine_output_cpu_seconds", "output_cpu_seconds",
+              "CPU seconds of output processing (detokenizing, stop strings, outputs), on its own thread."),
              ("window_freed_blocks", "num_window_freed_blocks",
               "KV blocks freed behind the sliding window (a model whose every layer has one)."),
              ("structured_output_requests", "num_structured_output_requests",

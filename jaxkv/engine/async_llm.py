@@ -6,13 +6,24 @@ form; ``abort`` frees a request's blocks before the engine's next step. ``LLMEng
 never runs on the event loop: a step can take hundreds of milliseconds on a CPU, and HTTP
 handling and other streams must go on meanwhile. The engine thread owns the engine; the loop
 thread only tokenizes, validates and posts commands (add / abort) into an inbox the engine
-thread drains between steps. Outputs reach each stream with ``loop.call_soon_threadsafe``.
+thread drains between steps.
+
+As vLLM V1 splits its EngineCore from its output processing, the engine thread only runs
+``LLMEngine.engine_core_step`` and hands its EngineCoreOutputs to an output thread, which
+detokenizes, checks stop strings, builds the RequestOutputs and puts them on the streams
+(``loop.call_soon_threadsafe``) while the engine thread goes on with the next step. The stop
+strings it finds come back through the inbox (``LLMEngine.stop_requests``): the engine may have
+run a step or two more of such a sequence by then, and those tokens are dropped. Aborts go the
+same way as steps (the engine thread frees the blocks; the output thread makes the final
+output), so a stream sees its outputs in order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import queue
 import threading
 from collections import deque
 from typing import AsyncIterator
@@ -68,7 +79,7 @@ class RequestStream:
 
 class AsyncLLM:
     """Wraps an LLMEngine (see ``from_engine_args``). ``stat_loggers``: objects with
-    ``record(outputs)``, called on the engine thread after every step with that step's
+    ``record(outputs)``, called on the output thread after every step with that step's
     RequestOutputs (the Prometheus logger of the server is one). ``log_stats``: the
     every-5-seconds throughput log line (vLLM's LoggingStatLogger)."""
 
@@ -82,6 +93,11 @@ class AsyncLLM:
         self._stats = engine.stats()
         self._stopping = False
         self.dead: BaseException | None = None
+        # EngineCoreOutputs of the engine thread for the output thread, at most a few steps
+        # behind (a full queue makes the engine thread wait).
+        self._outq: queue.Queue = queue.Queue(maxsize=4)
+        self._output_thread = threading.Thread(target=self._run_outputs, name="jaxkv-output", daemon=True)
+        self._output_thread.start()
         self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
         self._thread.start()
 
@@ -199,59 +215,91 @@ class AsyncLLM:
                         self._cond.wait(self._log.interval_s if self._log is not None else 5.0)
                     cmds = list(self._inbox)
                     self._inbox.clear()
-                outputs = self._apply(cmds)
-                if engine.has_unfinished_requests():
-                    outputs += engine.step()
-                self._stats = engine.stats()
-                for lg in self.stat_loggers:
-                    lg.record(outputs)
-                for out in outputs:
-                    s = self._streams.get(out.request_id)
-                    if s is not None:
-                        if out.finished:  # its id is free before its caller can see the end
-                            with self._cond:
-                                self._streams.pop(out.request_id, None)
-                        s.put(out)
+                self._apply(cmds)
+                core = engine.engine_core_step() if engine.has_unfinished_requests() else []
+                self._stats = engine.stats()  # (before the outputs can reach a caller)
+                if core:
+                    self._outq.put(("step", core))
                 if self._log is not None:
                     self._log.maybe_log(self._stats)
         except BaseException as e:  # noqa: BLE001 - every stream must learn that the engine died
-            if not isinstance(e, EngineDeadError):
-                logger.exception("engine thread died")
-            err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine stopped: {e!r}")
-            with self._cond:  # no stream can be added after this
-                self.dead = e
-                for rid in list(self._streams):
-                    self._finish_stream(rid, err)
-            try:  # leave the engine clean: no request holds blocks
-                engine.abort_request(list(engine.output_processor.groups))
-                self._stats = engine.stats()
-            except Exception:  # noqa: BLE001 - best effort after a failure
-                logger.exception("could not abort the requests of a dead engine")
+            self._die(e)
 
-    def _apply(self, cmds) -> list[RequestOutput]:
-        """Run the inbox's commands on the engine thread, in order; returns the outputs of the
-        aborted requests. EngineDeadError on "stop"."""
-        engine, outputs = self.engine, []
+    def _die(self, e: BaseException) -> None:
+        """The engine thread's end: the output thread delivers what it was handed and stops,
+        every stream left gets EngineDeadError, and the engine's requests are aborted."""
+        if not isinstance(e, EngineDeadError):
+            logger.exception("engine thread died")
+        err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine stopped: {e!r}")
+        self._outq.put(None)
+        self._output_thread.join()
+        with self._cond:  # no stream can be added after this
+            self.dead = e
+            for rid in list(self._streams):
+                self._finish_stream(rid, err)
+        try:  # leave the engine clean: no request holds blocks
+            self.engine.abort_request(list(self.engine.output_processor.groups))
+            self._stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - best effort after a failure
+            logger.exception("could not abort the requests of a dead engine")
+
+    def _apply(self, cmds) -> None:
+        """Run the inbox's commands on the engine thread, in order. EngineDeadError on "stop"
+        (and on "error", the output thread's failure)."""
+        engine = self.engine
         for cmd in cmds:
             if cmd[0] == "stop":
                 raise EngineDeadError("the engine was shut down")
+            if cmd[0] == "error":
+                raise cmd[1]
             if cmd[0] == "snapshot":
                 cmd[1]["snapshot"] = kv_cache_snapshot(engine)
                 cmd[2].set()
-                continue
-            if cmd[0] == "add":
+            elif cmd[0] == "stops":  # stop strings the output thread found
+                engine.stop_requests(cmd[1])
+            elif cmd[0] == "add":
                 _, rid, processed = cmd
                 try:
                     engine.add_processed(processed)
                 except ValueError as e:  # that request alone fails; the engine goes on
                     self._finish_stream(rid, e)
             else:
-                outputs += engine.abort_request(cmd[1])
-                for rid in cmd[1]:
-                    s = self._streams.get(rid)
-                    if s is not None and not any(o.request_id == rid for o in outputs):
-                        self._finish_stream(rid, None)
-        return outputs
+                self._outq.put(("abort", engine.abort_core(cmd[1]), cmd[1]))
+
+    # ---- output thread ---------------------------------------------------------------------
+    def _run_outputs(self) -> None:
+        """The output thread: RequestOutputs of the engine thread's EngineCoreOutputs
+        (detokenizing, stop strings, logprob dicts), handed to the stat loggers and the
+        streams; the stop strings found go back to the engine thread. Ends at None."""
+        op = self.engine.output_processor
+        while (item := self._outq.get()) is not None:
+            try:
+                outputs, stops, error = op.process(item[1], every_sample=item[0] == "abort")
+                if stops:
+                    self._post(("stops", stops))
+                self._deliver(outputs, item[2] if item[0] == "abort" else ())
+                if error is not None:
+                    raise error
+            except BaseException as e:  # noqa: BLE001 - the engine thread dies of it
+                self._post(("error", e))
+
+    def _deliver(self, outputs, aborted) -> None:
+        op = self.engine.output_processor  # the output side's counts, before any caller
+        self._stats = dataclasses.replace(  # sees these outputs
+            self._stats, num_generation_tokens=op.num_generation_tokens, output_cpu_seconds=op.cpu_seconds)
+        for lg in self.stat_loggers:
+            lg.record(outputs)
+        for out in outputs:
+            s = self._streams.get(out.request_id)
+            if s is not None:
+                if out.finished:  # its id is free before its caller can see the end
+                    with self._cond:
+                        self._streams.pop(out.request_id, None)
+                s.put(out)
+        for rid in aborted:  # ended without a final output (nothing of it was left)
+            if not any(o.request_id == rid for o in outputs):
+                with self._cond:
+                    self._finish_stream(rid, None)
 
     def _finish_stream(self, rid: str, err) -> None:
         s = self._streams.pop(rid, None)

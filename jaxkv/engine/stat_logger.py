@@ -66,7 +66,7 @@ class LoggingStatLogger:
         d_steps = stats.num_steps - prev.num_steps
         if d_steps:
             line += (f", Host CPU: {1e3 * (stats.host_cpu_seconds - prev.host_cpu_seconds) / d_steps:.2f}"
-                     " ms/step")
+                     f" ms/step (outputs: {1e3 * (stats.output_cpu_seconds - prev.output_cpu_seconds) / d_steps:.2f})")
         if stats.kv_sliding_window is not None:
             line += (f", Blocks freed behind the window: "
                      f"{stats.num_window_freed_blocks - prev.num_window_freed_blocks}")

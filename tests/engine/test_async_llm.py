@@ -50,14 +50,14 @@ def test_delta_stream_joins_to_the_offline_result(llm, async_llm):
 
 def test_steps_run_off_the_event_loop_and_the_loop_stays_responsive(async_llm):
     engine = async_llm.engine
-    step_threads, real_step = [], engine.step
+    step_threads, real_step = [], engine.engine_core_step
 
     def slow_step():  # make every step take long enough that a blocked loop would show
         step_threads.append(threading.get_ident())
         time.sleep(0.05)
         return real_step()
 
-    engine.step = slow_step
+    engine.engine_core_step = slow_step
     try:
         async def run():
             ticks = 0
@@ -77,7 +77,7 @@ def test_steps_run_off_the_event_loop_and_the_loop_stays_responsive(async_llm):
 
         outs, ticks, elapsed, loop_thread = asyncio.run(run())
     finally:
-        del engine.step
+        del engine.engine_core_step
     assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 8
     assert len(step_threads) >= 8 and loop_thread not in step_threads
     # Each step sleeps 50 ms: a loop blocked by the steps would tick about once per step; a
@@ -138,7 +138,7 @@ def test_bad_input_raises_at_once_and_queues_nothing(async_llm):
 
 def test_a_failing_step_ends_every_stream_and_refuses_new_requests(llm):
     engine = llm.llm_engine
-    real_step, calls = engine.step, []
+    real_step, calls = engine.engine_core_step, []
 
     def failing_step():
         calls.append(1)
@@ -146,7 +146,7 @@ def test_a_failing_step_ends_every_stream_and_refuses_new_requests(llm):
             raise RuntimeError("device lost")
         return real_step()
 
-    engine.step = failing_step
+    engine.engine_core_step = failing_step
     a = AsyncLLM(engine, log_stats=False)
     try:
         async def run():
@@ -162,7 +162,7 @@ def test_a_failing_step_ends_every_stream_and_refuses_new_requests(llm):
         a._thread.join(10)
         assert not a._thread.is_alive()
     finally:
-        del engine.step
+        del engine.engine_core_step
     assert not engine.has_unfinished_requests()
     s = engine.stats()
     assert s.num_free_blocks == s.num_total_blocks
@@ -185,3 +185,108 @@ def test_shutdown_ends_open_streams_with_engine_dead_error(llm):
     asyncio.run(run())
     a._thread.join()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_outputs_are_processed_on_a_thread_of_their_own(async_llm):
+    """The engine thread only steps; detokenizing and RequestOutputs are the output thread's
+    (EngineCoreOutputs cross between them), and stats() counts the two apart."""
+    engine, seen = async_llm.engine, {"core": set(), "out": set()}
+    real_core, real_process = engine.engine_core_step, engine.output_processor.process
+
+    def core():
+        seen["core"].add(threading.get_ident())
+        return real_core()
+
+    def process(*a, **kw):
+        seen["out"].add(threading.get_ident())
+        return real_process(*a, **kw)
+
+    engine.engine_core_step, engine.output_processor.process = core, process
+    before = async_llm.stats()
+    try:
+        async def run():
+            return [o async for o in async_llm.generate("Hello there", _greedy(6), request_id="t")]
+        outs = asyncio.run(run())
+    finally:
+        del engine.engine_core_step, engine.output_processor.process
+    after = async_llm.stats()
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 6
+    assert len(seen["core"]) == 1 and len(seen["out"]) == 1 and seen["core"] != seen["out"]
+    assert after.num_generation_tokens - before.num_generation_tokens == 6
+    assert after.output_cpu_seconds > before.output_cpu_seconds
+    assert after.host_cpu_seconds > before.host_cpu_seconds
+
+
+def test_stop_strings_found_a_step_behind_give_the_offline_outputs(llm, async_llm):
+    """A stop string is found on the output thread while the engine thread may already run
+    the next steps: no token past it is emitted, the texts, tokens and reasons equal the
+    offline engine's, and the engine frees the sequences' blocks."""
+    prompts = [f"Count with me: {i}, {i + 1}," for i in range(4)]
+    def sp(kind):  # two seeded samples each, stopped at the first comma after 2 tokens
+        return SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=40, stop=[","], min_tokens=2,
+                              output_kind=kind)
+    refs = llm.generate(prompts, sp(RequestOutputKind.FINAL_ONLY), use_tqdm=False)
+    assert all(c.stop_reason == "," for r in refs for c in r.outputs)  # the stop is hit
+
+    async def one(i):
+        last = None
+        async for out in async_llm.generate(prompts[i], sp(RequestOutputKind.CUMULATIVE), request_id=f"s{i}"):
+            last = out
+        return last
+
+    async def run():
+        outs = await asyncio.gather(*(one(i) for i in range(4)))
+        for _ in range(200):  # the engine thread applies the stops before its next step
+            s = async_llm.stats()
+            if s.num_running == 0 and s.num_free_blocks == s.num_total_blocks:
+                break
+            await asyncio.sleep(0.01)
+        return outs, async_llm.stats()
+
+    engine, behind = async_llm.engine, []
+    real_stop = engine.stop_requests
+
+    def stop_requests(stops):  # how far the engine ran past each stop string
+        behind.extend(engine.scheduler.requests[rid].num_output_tokens - keep
+                      for rid, _, keep in stops if rid in engine.scheduler.requests)
+        return real_stop(stops)
+
+    engine.stop_requests = stop_requests
+    try:
+        outs, s = asyncio.run(run())
+    finally:
+        del engine.stop_requests
+    assert len(behind) == 8 and max(behind) > 0  # some ran on past their stop string
+    for got, ref in zip(outs, refs):
+        assert got.finished
+        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in got.outputs] == \
+            [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in ref.outputs]
+    assert s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
+
+
+def test_a_failing_output_thread_ends_every_stream(llm):
+    engine = llm.llm_engine
+    real, calls = engine.output_processor.process, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("tokenizer broke")
+        return real(*a, **kw)
+
+    engine.output_processor.process = failing
+    a = AsyncLLM(engine, log_stats=False)
+    try:
+        async def run():
+            stream = await a.add_request("o1", "Tell me a story", _greedy(50))
+            with pytest.raises(EngineDeadError, match="tokenizer broke"):
+                async for _ in stream:
+                    pass
+        asyncio.run(run())
+        a._thread.join(10)
+        assert not a._thread.is_alive() and not a._output_thread.is_alive()
+    finally:
+        del engine.output_processor.process
+    assert not engine.has_unfinished_requests() and not engine.output_processor.groups
+    s = engine.stats()
+    assert s.num_free_blocks == s.num_total_blocks
