@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
 import threading
 from collections import deque
 from typing import AsyncIterator
@@ -31,6 +30,7 @@ from typing import AsyncIterator
 from jaxkv.engine.core_request import EngineCoreRequest
 from jaxkv.engine.kv_snapshot import kv_cache_snapshot
 from jaxkv.engine.llm_engine import child_request_id
+from jaxkv.engine.output_thread import OutputThread
 from jaxkv.engine.stat_logger import LoggingStatLogger
 from jaxkv.outputs import RequestOutput
 from jaxkv.sampling.params import SamplingParams
@@ -93,11 +93,7 @@ class AsyncLLM:
         self._stats = engine.stats()
         self._stopping = False
         self.dead: BaseException | None = None
-        # EngineCoreOutputs of the engine thread for the output thread, at most a few steps
-        # behind (a full queue makes the engine thread wait).
-        self._outq: queue.Queue = queue.Queue(maxsize=4)
-        self._output_thread = threading.Thread(target=self._run_outputs, name="jaxkv-output", daemon=True)
-        self._output_thread.start()
+        self._out = OutputThread(engine.output_processor, self._deliver, self._post)
         self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
         self._thread.start()
 
@@ -117,8 +113,11 @@ class AsyncLLM:
         return self.engine.get_tokenizer()
 
     def stats(self):
-        """EngineStats as of the engine thread's last loop turn (safe from any thread)."""
-        return self._stats
+        """EngineStats as of the engine thread's last loop turn, with the output thread's
+        counts (generation tokens, its CPU time) as of now (safe from any thread)."""
+        op = self.engine.output_processor
+        return dataclasses.replace(self._stats, num_generation_tokens=op.num_generation_tokens,
+                                   output_cpu_seconds=op.cpu_seconds)
 
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | None):
         """Validate and tokenize without queueing (ValueError on bad input)."""
@@ -175,7 +174,9 @@ class AsyncLLM:
         finished ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self._post(("abort", list(request_ids)))
+        with self._cond:  # the streams meant (a later request may reuse an id)
+            streams = {rid: self._streams.get(rid) for rid in request_ids}
+        self._post(("abort", list(request_ids), streams))
 
     def kv_cache_snapshot(self, timeout: float = 5.0) -> dict | None:
         """The block pool between two steps (jaxkv.engine.kv_snapshot), taken on the engine
@@ -209,54 +210,65 @@ class AsyncLLM:
                     while not self._inbox and not engine.has_unfinished_requests():
                         self._stats = engine.stats()
                         if self._log is not None:  # the last line of a burst, then baselines
-                            self._log.maybe_log(self._stats)
+                            self._log.maybe_log(self.stats())
                         # Wake now and then even without the log line, so stats() (and
                         # /metrics) see the token buckets the background compiler adds.
                         self._cond.wait(self._log.interval_s if self._log is not None else 5.0)
                     cmds = list(self._inbox)
                     self._inbox.clear()
-                self._apply(cmds)
+                stopped, aborts = self._apply(cmds)
                 core = engine.engine_core_step() if engine.has_unfinished_requests() else []
                 self._stats = engine.stats()  # (before the outputs can reach a caller)
+                if stopped:
+                    self._out.put_stopped(stopped)
+                for a in aborts:
+                    self._out.put_abort(*a)
                 if core:
-                    self._outq.put(("step", core))
+                    self._out.put_step(core)
                 if self._log is not None:
-                    self._log.maybe_log(self._stats)
+                    self._log.maybe_log(self.stats())
         except BaseException as e:  # noqa: BLE001 - every stream must learn that the engine died
             self._die(e)
 
     def _die(self, e: BaseException) -> None:
         """The engine thread's end: the output thread delivers what it was handed and stops,
-        every stream left gets EngineDeadError, and the engine's requests are aborted."""
+        every stream left gets EngineDeadError, and the engine's requests are finished (the
+        stop strings found meanwhile applied, the rest aborted)."""
         if not isinstance(e, EngineDeadError):
             logger.exception("engine thread died")
         err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine stopped: {e!r}")
-        self._outq.put(None)
-        self._output_thread.join()
+        self._out.stop()
         with self._cond:  # no stream can be added after this
             self.dead = e
             for rid in list(self._streams):
                 self._finish_stream(rid, err)
+            stops = [c[1] for c in self._inbox if c[0] == "stops"]
+            self._inbox.clear()
         try:  # leave the engine clean: no request holds blocks
+            for x in stops:
+                self.engine.stop_requests(x)
             self.engine.abort_request(list(self.engine.output_processor.groups))
             self._stats = self.engine.stats()
         except Exception:  # noqa: BLE001 - best effort after a failure
             logger.exception("could not abort the requests of a dead engine")
 
-    def _apply(self, cmds) -> None:
-        """Run the inbox's commands on the engine thread, in order. EngineDeadError on "stop"
-        (and on "error", the output thread's failure)."""
-        engine = self.engine
-        for cmd in cmds:
-            if cmd[0] == "stop":
-                raise EngineDeadError("the engine was shut down")
-            if cmd[0] == "error":
-                raise cmd[1]
+    def _apply(self, cmds) -> tuple[list[str], list[tuple]]:
+        """Run the inbox's commands on the engine thread, in order; returns (the sequences a
+        stop string ended, now finished; each abort's EngineCoreOutputs and streams), for the
+        output thread. EngineDeadError on "stop" (and on "error", the output thread's
+        failure)."""
+        engine, stopped, aborts = self.engine, [], []
+        for i, cmd in enumerate(cmds):
+            if cmd[0] in ("stop", "error"):
+                with self._cond:  # what came after it, for _die (stop strings to apply)
+                    self._inbox.extendleft(reversed(cmds[i + 1:]))
+                raise EngineDeadError("the engine was shut down") if cmd[0] == "stop" else cmd[1]
             if cmd[0] == "snapshot":
                 cmd[1]["snapshot"] = kv_cache_snapshot(engine)
                 cmd[2].set()
             elif cmd[0] == "stops":  # stop strings the output thread found
                 engine.stop_requests(cmd[1])
+                stopped += [x[1] for x in cmd[1]]
             elif cmd[0] == "add":
                 _, rid, processed = cmd
                 try:
@@ -264,29 +276,14 @@ class AsyncLLM:
                 except ValueError as e:  # that request alone fails; the engine goes on
                     self._finish_stream(rid, e)
             else:
-                self._outq.put(("abort", engine.abort_core(cmd[1]), cmd[1]))
+                aborts.append((engine.abort_core(cmd[1]), cmd[2]))
+        return stopped, aborts
 
     # ---- output thread ---------------------------------------------------------------------
-    def _run_outputs(self) -> None:
-        """The output thread: RequestOutputs of the engine thread's EngineCoreOutputs
-        (detokenizing, stop strings, logprob dicts), handed to the stat loggers and the
-        streams; the stop strings found go back to the engine thread. Ends at None."""
-        op = self.engine.output_processor
-        while (item := self._outq.get()) is not None:
-            try:
-                outputs, stops, error = op.process(item[1], every_sample=item[0] == "abort")
-                if stops:
-                    self._post(("stops", stops))
-                self._deliver(outputs, item[2] if item[0] == "abort" else ())
-                if error is not None:
-                    raise error
-            except BaseException as e:  # noqa: BLE001 - the engine thread dies of it
-                self._post(("error", e))
-
-    def _deliver(self, outputs, aborted) -> None:
-        op = self.engine.output_processor  # the output side's counts, before any caller
-        self._stats = dataclasses.replace(  # sees these outputs
-            self._stats, num_generation_tokens=op.num_generation_tokens, output_cpu_seconds=op.cpu_seconds)
+    def _deliver(self, outputs, aborted: dict | None) -> None:
+        """Hand RequestOutputs to the stat loggers and the streams (on the output thread);
+        `aborted`: {request id: its stream} of an abort, whose streams end now if no output
+        of theirs is left."""
         for lg in self.stat_loggers:
             lg.record(outputs)
         for out in outputs:
@@ -296,10 +293,11 @@ class AsyncLLM:
                     with self._cond:
                         self._streams.pop(out.request_id, None)
                 s.put(out)
-        for rid in aborted:  # ended without a final output (nothing of it was left)
-            if not any(o.request_id == rid for o in outputs):
+        for rid, stream in (aborted or {}).items():  # ended without a final output
+            if stream is not None and not any(o.request_id == rid for o in outputs):
                 with self._cond:
-                    self._finish_stream(rid, None)
+                    if self._streams.get(rid) is stream:  # not a later request's
+                        self._finish_stream(rid, None)
 
     def _finish_stream(self, rid: str, err) -> None:
         s = self._streams.pop(rid, None)

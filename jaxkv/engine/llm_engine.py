@@ -263,9 +263,9 @@ class LLMEngine:
 
     def stop_requests(self, stops) -> None:
         """Finish in the engine the sequences the output processor found a stop string in:
-        (sequence id, stop string, output tokens kept) each; tokens sampled after it are
-        dropped and the blocks freed. Sequences already finished are skipped."""
-        for rid, stop_str, keep in stops:
+        (request id, sequence id, stop string, output tokens kept) each; tokens sampled after
+        it are dropped and the blocks freed. Sequences already finished are skipped."""
+        for _, rid, stop_str, keep in stops:
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 req.truncate_output(keep)
@@ -290,12 +290,15 @@ class LLMEngine:
             request_ids = [request_ids]
         gone = set(request_ids)  # outputs held back from a failed step are superseded
         self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in gone]
-        return self.process_outputs(self.abort_core(request_ids), every_sample=True)
+        return self.process_outputs(self.abort_core(request_ids, orphans=True), every_sample=True)
 
-    def abort_core(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+    def abort_core(self, request_ids: list[str], orphans: bool = False) -> list[EngineCoreOutput]:
         """The engine's part of an abort: finish the samples of `request_ids` (user ids;
-        unknown ones skipped) that still run, freeing their blocks; one finished
-        EngineCoreOutput per sample not yet finished for the output processor."""
+        unknown ones skipped) that still run, freeing their blocks; a finished
+        EngineCoreOutput for each. `orphans`: one too for each sample the engine no longer
+        holds whose output is not finished (output processing raised before it saw the
+        finish); only where the output processor runs right after, on this thread (an
+        output thread could see it after a new request took the id)."""
         core, now = [], time.monotonic()
         for rid in request_ids:
             g = self.output_processor.groups.get(rid)
@@ -304,7 +307,7 @@ class LLMEngine:
                 if req is not None:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                     core.append(core_output(req, []))
-                elif s.finished is None:  # ended in the engine, its output not processed yet
+                elif orphans and s.finished is None:
                     core.append(EngineCoreOutput(s.request_id, [], finished=RequestStatus.FINISHED_ABORTED,
                                                  finished_time=now))
         return core

@@ -135,9 +135,9 @@ class OutputProcessor:
 
     # ---- one step -------------------------------------------------------------------------
     def process(self, outputs: list[EngineCoreOutput], every_sample: bool = False):
-        """A step's RequestOutputs. Returns (outputs, stops, error): stops are (sequence id,
-        stop string, tokens kept) of the sequences a stop string ended, for the engine to
-        finish; error is the first exception raised while one sequence's text was processed
+        """A step's RequestOutputs. Returns (outputs, stops, error): stops are (request id,
+        sequence id, stop string, tokens kept) of the sequences a stop string ended, for the
+        engine to finish; error is the first exception raised while one sequence's text was processed
         (the others are processed all the same; its tokens are kept without their text), or
         None. Outputs of sequences already finished here (tokens sampled after a stop string,
         one step behind) are dropped. `every_sample`: a DELTA output lists every sample of
@@ -186,7 +186,7 @@ class OutputProcessor:
                 if stop_str is not None:  # wins over a length finish of this token, as vLLM;
                     s.finished, s.stop_reason = STOPPED, stop_str  # tokens after it dropped
                     s.finished_time = co.last_token_time or time.monotonic()
-                    stops.append((s.request_id, stop_str, len(s.token_ids)))
+                    stops.append((g.request_id, s.request_id, stop_str, len(s.token_ids)))
                     return
         finally:
             if s.finished is None:  # (after an error: the tokens are kept, without text)

@@ -248,7 +248,7 @@ def test_stop_strings_found_a_step_behind_give_the_offline_outputs(llm, async_ll
 
     def stop_requests(stops):  # how far the engine ran past each stop string
         behind.extend(engine.scheduler.requests[rid].num_output_tokens - keep
-                      for rid, _, keep in stops if rid in engine.scheduler.requests)
+                      for _, rid, _, keep in stops if rid in engine.scheduler.requests)
         return real_stop(stops)
 
     engine.stop_requests = stop_requests
@@ -284,7 +284,72 @@ def test_a_failing_output_thread_ends_every_stream(llm):
                     pass
         asyncio.run(run())
         a._thread.join(10)
-        assert not a._thread.is_alive() and not a._output_thread.is_alive()
+        assert not a._thread.is_alive() and not a._out.alive
+    finally:
+        del engine.output_processor.process
+    assert not engine.has_unfinished_requests() and not engine.output_processor.groups
+    s = engine.stats()
+    assert s.num_free_blocks == s.num_total_blocks
+
+
+def _lagging_outputs(engine, seconds: float):
+    """Make the output thread lag the engine thread by `seconds` per step (restore with
+    `del engine.output_processor.process`)."""
+    real = engine.output_processor.process
+
+    def slow(*a, **kw):
+        time.sleep(seconds)
+        return real(*a, **kw)
+    engine.output_processor.process = slow
+
+
+def test_an_id_is_free_once_a_stop_string_final_output_arrives(llm, async_llm):
+    """The final output of a request a stop string ended reaches its caller only after the
+    engine finished it: the id can be used again at once, and the new request gets only its
+    own tokens (never the old one's steps that were still queued)."""
+    prompt = "Count with me: 1, 2, 3,"
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    ref2 = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = ref.text[:max(1, len(ref.text) // 3)]
+    _lagging_outputs(async_llm.engine, 0.01)
+    try:
+        async def run():
+            for _ in range(3):
+                sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+                outs = [o async for o in await async_llm.add_request("a", prompt, sp)]
+                assert outs[-1].outputs[0].finish_reason == "stop"
+                s = async_llm.stats()
+                assert s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
+                again = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                       output_kind=RequestOutputKind.FINAL_ONLY)
+                outs = [o async for o in await async_llm.add_request("a", "Hello", again)]
+                assert outs[-1].outputs[0].token_ids == ref2.token_ids
+        asyncio.run(run())
+    finally:
+        del async_llm.engine.output_processor.process
+
+
+def test_shutdown_with_a_stop_string_in_flight_leaves_the_engine_clean(llm):
+    """A stop string the output thread finds while the engine shuts down is still applied:
+    no request keeps its blocks."""
+    engine = llm.llm_engine
+    prompt = "Count with me: 1, 2, 3,"
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    _lagging_outputs(engine, 0.05)
+    a = AsyncLLM(engine, log_stats=False)
+    try:
+        async def run():
+            sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[ref.text[:1]])
+            stream = await a.add_request("z", prompt, sp)
+            await asyncio.sleep(0.02)  # the engine ran ahead; the output thread lags
+            a.shutdown()
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+        asyncio.run(run())
     finally:
         del engine.output_processor.process
     assert not engine.has_unfinished_requests() and not engine.output_processor.groups
