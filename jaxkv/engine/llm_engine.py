@@ -15,7 +15,7 @@ from jaxkv.engine.core_request import EngineCoreRequest
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.disk_tier import CorruptBlockError
 from jaxkv.core.request import Request, RequestStatus
-from jaxkv.engine.stats import EngineStats
+from jaxkv.engine.stats import EngineStats, moe_stats, spec_stats, tier_stats
 from jaxkv.outputs import RequestOutput
 from jaxkv.sampling.params import SamplingParams
 
@@ -374,37 +374,4 @@ class LLMEngine:
             num_structured_output_requests=self.structured_output_manager.num_requests,
             num_grammars_compiled=self.structured_output_manager.num_compiled,
             grammar_compile_seconds=self.structured_output_manager.compile_seconds,
-            **self._tier_stats(), **self._spec_stats(), **self._moe_stats())
-
-    def _tier_stats(self) -> dict:
-        kv, out = self.scheduler.kv, {}
-        for name, tier in (("host", kv.host), ("disk", kv.disk)):
-            if tier is not None:
-                out.update({f"kv_offload_{name}_blocks": tier.max_blocks,
-                            f"kv_offload_{name}_used_blocks": tier.num_used,
-                            f"kv_offload_{name}_hit_tokens": getattr(kv, f"{name}_hit_tokens"),
-                            f"kv_offload_{name}_stored_blocks": tier.num_stored,
-                            f"kv_offload_{name}_loaded_blocks": tier.num_loaded})
-        if out:
-            out["num_swapped_out"] = self.scheduler.num_swapped_out
-        return out
-
-    def _moe_stats(self) -> dict:
-        load = getattr(self.runner, "expert_load", None)
-        if load is None:
-            return {}
-        tokens = [int(x) for x in np.asarray(load)]
-        mean = sum(tokens) / len(tokens)
-        return {"moe_expert_tokens": tuple(tokens),
-                "moe_load_imbalance": max(tokens) / mean if mean else None}
-
-    def _spec_stats(self) -> dict:
-        sd = getattr(self.scheduler, "spec_stats", None)
-        if sd is None:
-            return {}
-        return dict(spec_decode_num_drafts=sd.num_drafts,
-                    spec_decode_num_draft_tokens=sd.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=sd.num_accepted_tokens,
-                    spec_decode_num_accepted_tokens_per_pos=tuple(sd.num_accepted_tokens_per_pos),
-                    spec_decode_acceptance_rate=(sd.num_accepted_tokens / sd.num_draft_tokens
-                                                 if sd.num_draft_tokens else None))
+            **tier_stats(self.scheduler), **spec_stats(self.scheduler), **moe_stats(self.runner))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 
 @dataclass
 class EngineStats:
@@ -106,3 +108,42 @@ class EngineStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def tier_stats(scheduler) -> dict:
+    """The KV tiers' EngineStats fields (none without a host or disk tier)."""
+    kv, out = scheduler.kv, {}
+    for name, tier in (("host", kv.host), ("disk", kv.disk)):
+        if tier is not None:
+            out.update({f"kv_offload_{name}_blocks": tier.max_blocks,
+                        f"kv_offload_{name}_used_blocks": tier.num_used,
+                        f"kv_offload_{name}_hit_tokens": getattr(kv, f"{name}_hit_tokens"),
+                        f"kv_offload_{name}_stored_blocks": tier.num_stored,
+                        f"kv_offload_{name}_loaded_blocks": tier.num_loaded})
+    if out:
+        out["num_swapped_out"] = scheduler.num_swapped_out
+    return out
+
+
+def moe_stats(runner) -> dict:
+    """A mixture of experts' fields: tokens per expert and the load imbalance."""
+    load = getattr(runner, "expert_load", None)
+    if load is None:
+        return {}
+    tokens = [int(x) for x in np.asarray(load)]
+    mean = sum(tokens) / len(tokens)
+    return {"moe_expert_tokens": tuple(tokens),
+            "moe_load_imbalance": max(tokens) / mean if mean else None}
+
+
+def spec_stats(scheduler) -> dict:
+    """Speculative decoding's fields (none without a proposer)."""
+    sd = getattr(scheduler, "spec_stats", None)
+    if sd is None:
+        return {}
+    return dict(spec_decode_num_drafts=sd.num_drafts,
+                spec_decode_num_draft_tokens=sd.num_draft_tokens,
+                spec_decode_num_accepted_tokens=sd.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=tuple(sd.num_accepted_tokens_per_pos),
+                spec_decode_acceptance_rate=(sd.num_accepted_tokens / sd.num_draft_tokens
+                                             if sd.num_draft_tokens else None))
