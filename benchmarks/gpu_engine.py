@@ -9,11 +9,12 @@ Rows go to <dir>/5_gpu_engine.jsonl as measured (benchmarks/result_rows.py: $OUT
 benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
   decode   one engine with a token bucket per batch size B; per B, B requests of 128-token
            prompts, once all are past their prefill (a steady batch): engine ms/step and tok/s
-           over N decode steps (LLMEngine.step, async scheduling on; with
+           over N decode steps (engine_core_step with output processing on a thread
+           beside it, as LLM.generate runs them; async scheduling on; with
            --num-scheduler-steps k, about N / k engine steps of k decode steps each), the share
            of engine steps that used a step dispatched ahead (stats().num_async_steps_used), the
            engine thread's CPU time per decode step (stats().host_cpu_seconds) and output
-           processing's apart (output_cpu_seconds: AsyncLLM's output thread), the device-only step
+           processing's apart (output_cpu_seconds: the output thread), the device-only step
            (runner.forward, the step program without the LM head and the sampler, as the
            2026-12-04 probe timed it: one prebuilt decode StepInput, `reps` calls back to
            back, one block at the end), and the host's dispatch per call. Each B twice: the
@@ -63,6 +64,7 @@ import numpy as np
 from benchmarks.e2e_decode import TINY_CONFIG, model_folder
 from benchmarks.result_rows import Rows
 from jaxkv.engine.gc_heap import freeze_startup_heap, release_frozen_heap
+from jaxkv.engine.output_pipeline import OutputPipeline
 
 # The H200 run's sizes (gpu_check.sh gives the script 5 minutes; rows land as measured, so a
 # cut keeps the earlier stages) and the CPU dry run's (token_buckets None: the defaults).
@@ -114,7 +116,8 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
     fewer with multi-step decode; inside the context `around()`: a profiler trace), then
     abort them; returns (seconds, the share of engine steps that used a step dispatched
     ahead, the engine thread's CPU ms per decode step, engine steps, output processing's
-    CPU ms per decode step: AsyncLLM's output thread's share, here on the same thread)."""
+    CPU ms per decode step). The timed steps run as LLM.generate runs them: output
+    processing on a thread beside the engine's (jaxkv/engine/output_pipeline.py)."""
     from jaxkv import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"{tag}{i}" for i in range(len(ps))]
@@ -123,13 +126,18 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
     started = set()
     while len(started) < len(ids):
         started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+    pipe = OutputPipeline(engine, lambda outputs: None)  # as LLM.generate runs the steps
     with around():
         before, t0 = engine.stats(), time.perf_counter()
-        goal, steps = before.num_generation_tokens + n * len(ids), 0
-        while engine.num_generation_tokens < goal:
-            engine.step()
+        made, steps = 0, 0
+        while made < n * len(ids):
+            made += pipe.step()
             steps += 1
-        dt, after = time.perf_counter() - t0, engine.stats()
+        dt = time.perf_counter() - t0
+    error = pipe.close()  # (the output thread's last steps, after the timed ones)
+    if error is not None:
+        raise error
+    after = engine.stats()
     used = after.num_async_steps_used - before.num_async_steps_used
     host_ms = 1e3 * (after.host_cpu_seconds - before.host_cpu_seconds) / n
     output_ms = 1e3 * (after.output_cpu_seconds - before.output_cpu_seconds) / n

@@ -8,6 +8,7 @@ import logging
 from jaxkv.chat_utils import render_chat
 from jaxkv.engine_args import EngineArgs
 from jaxkv.engine.gc_heap import frozen_heap
+from jaxkv.engine.output_pipeline import OutputPipeline
 from jaxkv.engine.llm_engine import LLMEngine
 from jaxkv.logger import setup_logging
 from jaxkv.outputs import RequestOutput
@@ -93,18 +94,26 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+
+        def collect(outputs) -> None:  # (on the output thread)
+            for o in outputs:
+                if o.finished:
+                    results[o.request_id] = o
+                    if bar is not None:
+                        bar.update(1)
+        # Steps here, output processing on a thread beside them (output_pipeline.py).
+        pipe, error = OutputPipeline(engine, collect), None
         try:
             with frozen_heap():  # full collections skip the heap from before (gc_heap.py)
                 while engine.has_unfinished_requests():
-                    for o in engine.step():
-                        if o.finished:
-                            results[o.request_id] = o
-                            if bar is not None:
-                                bar.update(1)
+                    pipe.step()
         finally:
+            error = pipe.close()
             if bar is not None:
                 bar.close()
             left = [r for r in ids if r not in results]
             if left:
                 engine.abort_request(left)
+        if error is not None:
+            raise error
         return [results[r] for r in ids]

@@ -51,6 +51,13 @@ class OutputThread:
         self._q.put(None)
         self._thread.join()
 
+    def take_held(self) -> list[RequestOutput]:
+        """After `stop`: the final outputs still held (their stops unconfirmed), now given up."""
+        held, self._held = list(self._held.values()), {}
+        self._pending.clear()
+        self._group_of.clear()
+        return held
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
