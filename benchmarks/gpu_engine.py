@@ -127,14 +127,16 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
     while len(started) < len(ids):
         started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
     pipe = OutputPipeline(engine, lambda outputs: None)  # as LLM.generate runs the steps
-    with around():
-        before, t0 = engine.stats(), time.perf_counter()
-        made, steps = 0, 0
-        while made < n * len(ids):
-            made += pipe.step()
-            steps += 1
-        dt = time.perf_counter() - t0
-    error = pipe.close()  # (the output thread's last steps, after the timed ones)
+    try:
+        with around():
+            before, t0 = engine.stats(), time.perf_counter()
+            made, steps = 0, 0
+            while made < n * len(ids):
+                made += pipe.step()
+                steps += 1
+            dt = time.perf_counter() - t0
+    finally:
+        error = pipe.close()  # (the output thread's last steps, after the timed ones)
     if error is not None:
         raise error
     after = engine.stats()

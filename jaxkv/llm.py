@@ -108,12 +108,14 @@ class LLM:
                 while engine.has_unfinished_requests():
                     pipe.step()
         finally:
-            error = pipe.close()
-            if bar is not None:
-                bar.close()
-            left = [r for r in ids if r not in results]
-            if left:
-                engine.abort_request(left)
+            try:
+                error = pipe.close()
+            finally:
+                if bar is not None:
+                    bar.close()
+                left = [r for r in ids if r not in results]
+                if left:
+                    engine.abort_request(left)
         if error is not None:
             raise error
         return [results[r] for r in ids]

@@ -212,8 +212,13 @@ class LLMEngine:
         damaged disk-tier block file is the exception that does not propagate: the step is
         undone the same way and the next one computes those blocks instead."""
         outputs = self.process_outputs(self.engine_core_step())
-        pending, self._pending_outputs = self._pending_outputs, []  # older ones first
-        return pending + outputs
+        return self.take_pending_outputs() + outputs  # older ones first
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """The RequestOutputs held back from a step whose output processing raised (see
+        process_outputs), handed over once."""
+        pending, self._pending_outputs = self._pending_outputs, []
+        return pending
 
     def engine_core_step(self) -> list[EngineCoreOutput]:
         """The engine's part of a step (vLLM V1's EngineCore.step): schedule, run, and

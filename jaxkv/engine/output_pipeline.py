@@ -25,10 +25,13 @@ class OutputPipeline:
                                  self._inbox.append)
 
     def step(self) -> int:
-        """Apply the stop strings found so far (an output thread's error is raised here),
-        then one engine step whose outputs go to the output thread. Returns the tokens the
-        step appended."""
+        """Apply the stop strings found so far (an output thread's error is raised here) and
+        deliver the outputs an earlier LLMEngine.step held back, then one engine step whose
+        outputs go to the output thread. Returns the tokens the step appended."""
         self._apply_inbox()
+        held_back = self.engine.take_pending_outputs()  # (from an earlier LLMEngine.step)
+        if held_back:
+            self._deliver(held_back)
         if not self.engine.has_unfinished_requests():
             return 0
         core = self.engine.engine_core_step()

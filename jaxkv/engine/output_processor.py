@@ -158,7 +158,15 @@ class OutputProcessor:
                 touched[g.request_id] = g
         if every_sample:
             changed.update(s.request_id for g in touched.values() for s in g.samples)
-        made = [o for g in touched.values() if (o := self.make_output(g, changed)) is not None]
+        made = []
+        for g in touched.values():
+            try:
+                o = self.make_output(g, changed)
+            except BaseException as e:  # noqa: BLE001 - returned, with the stops found
+                error = error or e
+                continue
+            if o is not None:
+                made.append(o)
         self.cpu_seconds += time.thread_time() - t0
         return made, stops, error
 
@@ -196,9 +204,20 @@ class OutputProcessor:
                     s.finished, s.stop_reason, s.finished_time = co.finished, co.stop_reason, co.finished_time
 
     def make_output(self, g: RequestGroup, changed: set[str]) -> RequestOutput | None:
+        """The group's RequestOutput now (None: FINAL_ONLY before the end); a finished group
+        is forgotten, even if building its output raises."""
         finished = g.finished
         if g.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        try:
+            return self._output(g, changed, finished)
+        finally:
+            if finished:
+                self.groups.pop(g.request_id, None)
+                for s in g.samples:
+                    self.samples.pop(s.request_id, None)
+
+    def _output(self, g: RequestGroup, changed: set[str], finished: bool) -> RequestOutput:
         delta = g.output_kind == RequestOutputKind.DELTA
         outs = []
         for s in g.samples:
@@ -220,13 +239,8 @@ class OutputProcessor:
         if delta and prompt_lp is not None:
             prompt_lp = None if g.prompt_logprobs_sent else prompt_lp
             g.prompt_logprobs_sent = True
-        metrics = _metrics(g, finished)
-        if finished:
-            del self.groups[g.request_id]
-            for s in g.samples:
-                self.samples.pop(s.request_id, None)
         return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, prompt_lp, outs,
-                             finished, metrics, max(g.samples[0].num_cached_tokens, 0))
+                             finished, _metrics(g, finished), max(g.samples[0].num_cached_tokens, 0))
 
 
 def _newly_finished(g: RequestGroup) -> list[tuple]:

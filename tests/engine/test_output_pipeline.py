@@ -71,3 +71,32 @@ def test_an_output_thread_error_is_raised_by_generate_and_the_engine_stays_usabl
     assert _clean(engine) and not engine.output_processor.groups
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_generate_hands_over_outputs_an_earlier_step_held_back(llm):
+    """Outputs LLMEngine.step kept after its output processing raised do not keep generate
+    looping: it delivers them and returns."""
+    engine = llm.llm_engine
+    engine.add_request("held", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    real, calls = engine.output_processor.process_token, []
+
+    def once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("tokenizer broke once")
+        return real(*a, **kw)
+    engine.output_processor.process_token = once
+    try:
+        with pytest.raises(RuntimeError, match="once"):
+            while True:
+                engine.step()
+    finally:
+        del engine.output_processor.process_token
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=llm.generate(
+        "Hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)),
+        daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and len(box["out"][0].outputs[0].token_ids) == 2
+    assert not engine.take_pending_outputs() and _clean(engine)
