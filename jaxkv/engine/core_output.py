@@ -1,7 +1,7 @@
 """EngineCoreOutput: what one step did to one sequence, copied out of the engine's Request
 (vLLM V1's name). The output processor builds RequestOutputs from these alone, never from
 a Request, so it may run on another thread while the engine thread goes on with the next
-step (jaxkv/engine/async_llm.py's output thread)."""
+step (jaxkv/engine/output_thread.py)."""
 
 from __future__ import annotations
 

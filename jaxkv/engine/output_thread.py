@@ -1,5 +1,6 @@
-"""AsyncLLM's output thread: output processing one step behind the engine thread (vLLM V1's
-split of EngineCore and output processing, in threads of one process).
+"""The output thread of AsyncLLM and of LLM.generate (output_pipeline.py): output processing
+one step behind the engine thread (vLLM V1's split of EngineCore and output processing, in
+threads of one process).
 
 The engine thread puts each step's EngineCoreOutputs here (`put_step`), and an abort's
 (`put_abort`); this thread turns them into RequestOutputs (OutputProcessor.process) and hands
