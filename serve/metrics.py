@@ -66,6 +66,8 @@ _COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prefix cache quer
               "Steps whose sampling ran inside the step program (fused sampling)."),
              ("launched_steps", "num_launched_steps",
               "Steps run ahead dispatched from the launcher thread, off the engine thread."),
+             ("async_steady_steps", "num_async_steps_steady",
+              "Steps run ahead that the steady batch's fast path took (every sequence as predicted)."),
              ("multi_steps", "num_multi_steps",
               "Engine steps that ran several decode steps in one program (multi-step decode)."),
              ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."),

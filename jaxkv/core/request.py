@@ -105,6 +105,12 @@ class Request:
             ids.extend(t for t in self.eos_token_ids if t not in ids)
         return ids
 
+    @functools.cached_property  # (read per sequence per step)
+    def reads_history(self) -> bool:
+        """Whether sampling reads the token history: penalties, or bad_words."""
+        sp = self.sampling_params
+        return sp.has_penalties or bool(sp.bad_words)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -10,11 +10,12 @@ follow from that. When blocks run out the newest running request is preempted by
 pinned there, so that it resumes by loading them instead of computing them again (a block
 the full tier cannot take, and the last partial block, are computed again).
 
-A step is committed by `update_from_output` once the runner has run it. If it never runs (the runner
-raised, Ctrl-C), `undo_step` puts back what scheduling it changed: the hashes it registered
-are forgotten and its requests are requeued to recompute what the step would have computed,
-exactly as after a preemption; blocks computed by earlier steps keep their hashes. If the
-failure also lost the pool's contents, `drop_all_kv` sends every request back to recompute.
+A step is committed by `update_from_output` (jaxkv/core/step_commit.py) once the runner has
+run it. If it never runs (the runner raised, Ctrl-C), `undo_step` puts back what scheduling
+it changed: the hashes it registered are forgotten and its requests are requeued to recompute
+what the step would have computed, exactly as after a preemption; blocks computed by earlier
+steps keep their hashes. If the failure also lost the pool's contents, `drop_all_kv` sends
+every request back to recompute.
 
 Speculative decoding (jaxkv.core.spec_decode): once every running and newly admitted request has
 its tokens, each decoding one gets its n-gram draft from the budget left over, while free
@@ -33,8 +34,9 @@ from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
 from .multi_step import multi_steps
-from .request import Request, RequestStatus, check_stop
-from .scheduler_output import RequestUpdate, RunnerOutput, ScheduledRequest, SchedulerOutput
+from .request import Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .step_commit import StepCommit
 from .spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
 from .grammar import StructuredOutputManager, wait_for_any
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from jaxkv.engine_config import SchedulerConfig
 
 
-class Scheduler:
+class Scheduler(StepCommit):
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
                  speculative: SpeculativeConfig | None = None,
                  structured_output_manager: StructuredOutputManager | None = None):
@@ -121,15 +123,16 @@ class Scheduler:
 
         steps = (multi_steps(chosen, self.kv, self.config.num_scheduler_steps, self.config.max_model_len)
                  if self.config.num_scheduler_steps > 1 else {})
-        if self.config.num_lookahead_tokens:  # async scheduling's next positions, when free
-            self._allocate_lookahead(chosen, steps)
-        # Drafts last: they take only the budget that every request's own tokens left over.
-        drafts = {}
-        limit = self.proposer.disable_by_batch_size if self.proposer else None
-        if self.proposer and budget > 0 and (limit is None or len(self.running) < limit):
-            drafts = self._propose_drafts(chosen, budget)
-        scheduled = [self._describe(req, n, drafts.get(req.request_id, []), steps.get(req.request_id, 1))
-                     for req, n in chosen]
+        if self.proposer is None:  # each request's lookahead slots, then its description
+            scheduled = self._describe_all(chosen, steps, self.config.num_lookahead_tokens)
+        else:  # lookahead, then drafts: they take only the budget the requests' own tokens left
+            if self.config.num_lookahead_tokens:
+                self._allocate_lookahead(chosen, steps)
+            drafts, limit = {}, self.proposer.disable_by_batch_size
+            if budget > 0 and (limit is None or len(self.running) < limit):
+                drafts = self._propose_drafts(chosen, budget)
+            scheduled = [self._describe(req, n, drafts.get(req.request_id, []), steps.get(req.request_id, 1))
+                         for req, n in chosen]
         rows = [(s, req.grammar) for (req, _), s in zip(chosen, scheduled)
                 if s.sample and req.grammar is not None and req.grammar.matcher is not None]
         if rows:  # each constrained sequence that samples gets its allowed-token row
@@ -176,6 +179,25 @@ class Scheduler:
             if (extra > 0 and done == len(req.all_token_ids)
                     and len(req.output_token_ids) + m < req.sampling_params.max_tokens):
                 kv.allocate_slots(req, n + m - 1 + extra)  # (returns at once when held)
+
+    def _describe_all(self, chosen, steps: dict[str, int], ahead: int) -> list[ScheduledRequest]:
+        """The ScheduledRequests of `chosen` (no drafts), request by request after its `ahead`
+        lookahead slots (_allocate_lookahead's rule, in the same order: the same blocks), in
+        one pass: this runs per sequence per step."""
+        max_len, kv, held, out = self.config.max_model_len, self.kv, self.kv.get_block_ids, []
+        for req, n in chosen:
+            m = steps.get(req.request_id, 1) if steps else 1
+            blocks = held(req.request_id)
+            if ahead:
+                done = req.num_computed_tokens + n
+                extra = min(ahead, max_len - done - m + 1)
+                if (extra > 0 and done == len(req.all_token_ids)
+                        and len(req.output_token_ids) + m < req.sampling_params.max_tokens
+                        and done + m - 1 + extra > len(blocks) * self.block_size):  # (not held yet)
+                    kv.allocate_slots(req, n + m - 1 + extra)
+                    blocks = held(req.request_id)
+            out.append(self._describe(req, n, (), m, blocks))
+        return out
 
     def _propose_drafts(self, chosen, budget) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of `chosen` (updated in place to 1 + draft
@@ -229,20 +251,27 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _describe(self, req: Request, n: int, draft: list[int], num_steps: int = 1) -> ScheduledRequest:
-        start, sp, num_output = req.num_computed_tokens, req.sampling_params, len(req.output_token_ids)
-        n -= len(draft)  # the request's own tokens
-        token_ids = req.all_token_ids[start:start + n]
-        penalties = sp.has_penalties or bool(sp.bad_words)  # both read the token history
+    def _describe(self, req: Request, n: int, draft: list[int], num_steps: int = 1,
+                  block_ids: list[int] | None = None) -> ScheduledRequest:
+        """The ScheduledRequest of `req` with n tokens (its own, then `draft`'s) and
+        num_steps; `block_ids`: its block table as the KV cache manager holds it (copied
+        here; default: looked up)."""
+        start, sp, num_output, tokens = (req.num_computed_tokens, req.sampling_params,
+                                         len(req.output_token_ids), req.all_token_ids)
+        if draft:
+            n -= len(draft)  # the request's own tokens
+        token_ids = tokens[start:start + n]
         targets = []
         if sp.prompt_logprobs is not None and req.sample_index == 0 and start + 1 < req.num_prompt_tokens:
-            targets = req.all_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
+            targets = tokens[start + 1:min(start + n + 1, req.num_prompt_tokens)]
+        history = req.reads_history
         return ScheduledRequest(  # positional (per sequence per step): the fields in order
             req.request_id, token_ids + draft if draft else token_ids, start,
-            list(self.kv.get_block_ids(req.request_id)), start + n == len(req.all_token_ids), sp,
+            list(self.kv.get_block_ids(req.request_id) if block_ids is None else block_ids),
+            start + n == len(tokens), sp,
             req.seed, req.sample_index, num_output,
-            req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
-            targets, list(req.stop_ids) if num_output < sp.min_tokens else [], draft, None,
+            req.prompt_token_ids if history else None, req.output_token_ids if history else None,
+            targets, list(req.stop_ids) if num_output < sp.min_tokens else [], list(draft), None,
             req.bad_words_token_ids, num_steps)
 
     def _reset(self, req: Request, status: RequestStatus = RequestStatus.PREEMPTED) -> None:
@@ -258,106 +287,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-
-    # ---- after the step ----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
-        """The step ran (vLLM's name): commit it, credit the computed tokens, fork children
-        whose parent's prompt is now done, append the sampled tokens and apply the
-        token-level stops (EOS and stop_token_ids once min_tokens are out, max_tokens,
-        max_model_len), finishing those requests. With a draft, the runner's tokens are the
-        accepted drafts and one sampled token: num_computed_tokens advances over the accepted
-        ones, the blocks past them are freed, and the tokens are appended one by one up to
-        the first stop. Returns one RequestUpdate per scheduled request, in scheduled order."""
-        now, updates, sampled, requests = time.monotonic(), [], runner_output.sampled, self.requests
-        for s in out.scheduled:
-            req = requests[s.request_id]
-            start, n = s.num_computed_tokens, len(s.token_ids)
-            num_prompt = len(req.prompt_token_ids)
-            if start < num_prompt:
-                self.num_computed_prompt_tokens += min(start + n, num_prompt) - start
-            tokens = sampled.get(s.request_id, ())
-            rejected = 0
-            if s.spec_token_ids and tokens:
-                rejected = len(s.spec_token_ids) - (len(tokens) - 1)
-                self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
-            req.num_computed_tokens += n + s.num_steps - 1 - rejected
-            if rejected:
-                self.kv.trim(req, req.num_computed_tokens)
-            if self.pending_forks:
-                kids = self.pending_forks.get(req.request_id)
-                if kids and req.num_computed_tokens >= num_prompt:
-                    del self.pending_forks[req.request_id]
-                    self._fork(req, kids)  # before a finish below frees the parent's blocks
-            upd = RequestUpdate(req, [], start)
-            for token in tokens:
-                if req.grammar is not None and not req.grammar.accept(token):
-                    upd.finished = RequestStatus.FINISHED_ERROR  # the token is dropped
-                    break
-                req.append_output_token(token)
-                upd.new_token_ids.append(token)
-                times = req.times
-                if times.first_token_time is None:
-                    times.first_token_time = now
-                times.last_token_time = now
-                upd.finished = check_stop(req, token, self.config.max_model_len)
-                if upd.finished is not None:
-                    break
-            updates.append(upd)
-        self.kv.commit_step()
-        self._step_journal = []
-        for upd in updates:
-            if upd.finished is not None:
-                self.finish(upd.request, upd.finished)
-        return updates
-
-    def undo_step(self) -> int:
-        """The step last scheduled did not run: forget the block hashes it registered and
-        requeue its requests, at the front of the waiting queue in their scheduled order, to
-        recompute from their cached prefix (blocks freed, prefix lookups and first-schedule
-        times of this step forgotten). Returns the number of requests requeued."""
-        self.kv.undo_step_hashes()
-        journal, self._step_journal = self._step_journal, []
-        requeued = []
-        for req, was_running, lookup, first in journal:
-            if req.status.is_finished or req.request_id not in self.requests:
-                continue
-            if req in self.running:
-                self.running.remove(req)
-            self._reset(req, RequestStatus.PREEMPTED if was_running else RequestStatus.WAITING)
-            if lookup is not None:
-                self.kv.prefix_cache_queries -= lookup[0]
-                self.kv.prefix_cache_hits -= lookup[1]
-                req.num_cached_tokens = -1
-            if first:
-                req.times.first_scheduled_time = None
-            requeued.append(req)
-        for req in reversed(requeued):
-            self.waiting.appendleft(req)
-        return len(requeued) + self._requeue_strays()
-
-    def _requeue_strays(self) -> int:
-        """Requests in no queue (scheduling interrupted between taking one out of a queue
-        and putting it in another) go back to waiting, to recompute. Returns how many."""
-        queued = {id(r) for r in self.running} | {id(r) for r in self.waiting}
-        queued |= {id(c) for kids in self.pending_forks.values() for c in kids}
-        strays = [r for r in self.requests.values()
-                  if id(r) not in queued and not r.status.is_finished]
-        for req in strays:
-            self._reset(req)
-            self.waiting.appendleft(req)
-        return len(strays)
-
-    def drop_all_kv(self) -> None:
-        """The KV pool's contents were lost (call after undo_step): every request recomputes
-        from its first token, and no block hash survives."""
-        for req in reversed(self.running):
-            self._reset(req)
-            self.waiting.appendleft(req)
-        self.running.clear()
-        for req in self.waiting:  # forked children hold their parent's shared blocks
-            if self.kv.get_block_ids(req.request_id):
-                self._reset(req, req.status)
-        self.kv.pool.reset_prefix_cache()
 
     def _fork(self, parent: Request, kids: list[Request]) -> None:
         shared = (parent.num_prompt_tokens - 1) // self.block_size

@@ -370,6 +370,7 @@ class LLMEngine:
             num_async_steps=getattr(self.runner, "num_ahead_dispatched", 0),
             num_async_steps_used=getattr(self.runner, "num_ahead_used", 0),
             num_async_steps_discarded=getattr(self.runner, "num_ahead_discarded", 0),
+            num_async_steps_steady=getattr(self.runner, "num_ahead_steady", 0),
             num_launched_steps=getattr(getattr(self.runner, "launcher", None), "num_launched", 0),
             num_scheduler_steps=self.config.scheduler.num_scheduler_steps,
             num_multi_steps=getattr(getattr(self.runner, "multi_step", None), "num_steps_run", 0),

@@ -75,9 +75,11 @@ class LoggingStatLogger:
         if stats.async_scheduling:
             d_used = stats.num_async_steps_used - prev.num_async_steps_used
             d_all = d_used + stats.num_async_steps_discarded - prev.num_async_steps_discarded
-            line += f", Async steps used: {d_used}/{d_all}"
+            line += (f", Async steps used: {d_used}/{d_all}"
+                     f" (steady: {stats.num_async_steps_steady - prev.num_async_steps_steady}")
             if stats.num_launched_steps:
-                line += f" (launched: {stats.num_launched_steps - prev.num_launched_steps})"
+                line += f", launched: {stats.num_launched_steps - prev.num_launched_steps}"
+            line += ")"
         if stats.num_scheduler_steps > 1:
             line += f", Multi-steps: {stats.num_multi_steps - prev.num_multi_steps}/{d_steps}"
         d_so = stats.num_structured_output_requests - prev.num_structured_output_requests

@@ -66,7 +66,7 @@ def build_step_input(out: SchedulerOutput, *, block_size: int, num_tokens: int, 
     prev = (_zeros(prev_rows),) * 2 if prev_rows else None
     return StepInput(ids, pos, slots, tables, seq_lens, qsl, np.array([m], i32),
                      logits_idx, cos, sin, np.zeros(1, i32),
-                     _padding_sampling(rows) if fused_sampling else None, prev,
+                     padding_sampling(rows) if fused_sampling else None, prev,
                      np.full(num_tokens, -1, i32) if prev_rows else None, decode_only=decode_only)
 
 
@@ -77,8 +77,32 @@ def _zeros(n: int) -> np.ndarray:
     return z
 
 
+def decode_step_input(pos: np.ndarray, tables: np.ndarray, prev_sampled: tuple, prev_index: np.ndarray,
+                      sampling, sample_mode: np.ndarray, *, block_size: int, num_tokens: int, rows: int,
+                      max_blocks: int, rope_table, mark_decode_only: bool) -> StepInput:
+    """The StepInput of a decode step run ahead, from arrays (jaxkv/runner/steady_batch.py):
+    sequence i has one query row, at position pos[i] (int32 [m]), with block table row
+    tables[i] (int32 [m, <= B]); its input id is prev_sampled's row prev_index[i] (int32 [m]);
+    `sampling` and `sample_mode` as StepInput's. Padded as build_step_input pads (T =
+    num_tokens, R = rows, B = max_blocks)."""
+    i32, m = np.int32, len(pos)
+    positions, slots, prev = np.zeros(num_tokens, i32), np.zeros(num_tokens, i32), np.full(num_tokens, -1, i32)
+    positions[:m], prev[:m] = pos, prev_index
+    table = np.zeros((rows, max_blocks), i32)
+    table[:m, :tables.shape[1]] = tables
+    slots[:m] = table[np.arange(m), pos // block_size] * block_size + pos % block_size
+    seq_lens, logits_idx = np.zeros(rows, i32), np.zeros(rows, i32)
+    seq_lens[:m], logits_idx[:m] = pos + 1, np.arange(m)
+    qsl = np.full(rows + 1, m, i32)
+    qsl[:m + 1] = np.arange(m + 1)
+    return StepInput(np.zeros(num_tokens, i32), positions, slots, table, seq_lens, qsl, np.array([m], i32),
+                     logits_idx, rope_table[0][positions], rope_table[1][positions], sample_mode, sampling,
+                     prev_sampled, prev, decode_only=mark_decode_only)
+
+
 @functools.lru_cache(maxsize=8)
-def _padding_sampling(r: int):
+def padding_sampling(r: int):
+    """The sampler's arrays of r padding rows (sampling_arrays([], r)), read-only, shared."""
     s = sampling_arrays([], r)
     for a in s:
         a.flags.writeable = False  # shared by every step

@@ -44,16 +44,21 @@ from jaxkv.core.scheduler_output import ScheduledRequest
 @dataclass
 class Ahead:
     """A step dispatched ahead: `predicted` (ScheduledRequests; token_ids filled with the
-    sampled tokens once they reach the host), `spans` (their sampler rows) and `sampled` (the
-    sampler's device output)."""
-    predicted: list[ScheduledRequest]
-    spans: list
+    sampled tokens once they reach the host), `spans` (their sampler rows), `sampled` (the
+    sampler's device output) and `batch` (a plain decode's rows as arrays, the fast path of
+    jaxkv/runner/steady_batch.py, or None). A step the fast path dispatched has only its
+    batch: `predicted` and `spans` None until the general path needs them (RunAhead)."""
+    predicted: list[ScheduledRequest] | None
+    spans: list | None
     sampled: object
+    batch: object = None
 
     def fill_tokens(self, sampled: dict[str, list[int]]) -> None:
         """Set each predicted sequence's input token: the one this step sampled for it."""
         for q in self.predicted:
             q.token_ids = [int(sampled[q.request_id][-1])]
+        if self.batch is not None:
+            self.batch.tokens = tuple(q.token_ids for q in self.predicted)
 
     def split(self, scheduled: list[ScheduledRequest]) -> tuple[list, list[ScheduledRequest]]:
         """([(ScheduledRequest, its span here)] computed ahead, [ScheduledRequest] to run)."""
@@ -87,10 +92,10 @@ def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
             and s.num_output_tokens == q.num_output_tokens and s.num_steps == q.num_steps
             and s.seed == q.seed and s.sample_index == q.sample_index
             and s.min_tokens_banned_ids == q.min_tokens_banned_ids and _host_free(s)
-            and _same_blocks(s.block_ids, q.block_ids))
+            and same_blocks(s.block_ids, q.block_ids))
 
 
-def _same_blocks(now: list[int], predicted: list[int]) -> bool:
+def same_blocks(now: list[int], predicted: list[int]) -> bool:
     """Whether the block tables agree where the prediction read and wrote: the scheduler's
     may have grown since (blocks appended past them: a lookahead slot) or freed blocks behind
     a sliding window (now the null block 0: the prediction's query masked those positions)."""

@@ -281,7 +281,11 @@ class ModelRunner(RunAhead):
         # Async scheduling (jaxkv/runner/lookahead.py): what the step dispatched ahead
         # computed is taken as it is; the rest runs now (multi-step decodes and the others
         # as a program each, jaxkv/runner/multi_step.py).
-        reuse, rest = ahead.split(out.scheduled) if ahead is not None else ([], out.scheduled)
+        if ahead is not None:  # a steady decode's fast path (steady_batch.py), else split
+            steady = self._execute_steady(out, ahead)
+            if steady is not None:
+                return steady
+        reuse, rest = self._predictions(ahead).split(out.scheduled) if ahead is not None else ([], out.scheduled)
         if ahead is not None:
             self.num_ahead_used += bool(reuse)
             self.num_ahead_discarded += not reuse
@@ -289,7 +293,8 @@ class ModelRunner(RunAhead):
         for part in ms.MultiStep.parts(rest):
             sub = out if len(part) == len(out.scheduled) else SchedulerOutput(part)
             si = self.build_inputs(sub, bucket if part is out.scheduled else None)
-            runs.append((sub, si, *self._dispatch(sub.scheduled, si)))
+            hidden, spans, sampled, si = self._dispatch(sub.scheduled, si)
+            runs.append((sub, si, hidden, spans, sampled))
         if self.multi_step is not None and self.multi_step.wanted(out.scheduled):
             self.multi_step.num_steps_run += 1
         if self.async_scheduling:  # the next step, now
@@ -307,17 +312,18 @@ class ModelRunner(RunAhead):
         return res
 
     def _dispatch(self, scheduled, si: StepInput, launch: bool = False):
-        """(hidden or None, spans, sampled) of step `si` of `scheduled`: a multi-step decode's
-        program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py), else
-        _step_and_sample. `launch`: a fused step or a k-step program is dispatched by the
+        """(hidden or None, spans, sampled, the StepInput dispatched: `si`, with the
+        sampler's arrays where its program samples) of step `si` of `scheduled`: a multi-step
+        decode's program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py),
+        else _step_and_sample. `launch`: a fused step or a k-step program is dispatched by the
         launcher's thread (sampled is then a Future of its output)."""
         launch = launch and self.launcher is not None and self.launch_ahead
         if self.multi_step is None or not self.multi_step.wanted(scheduled):
             return self._step_and_sample(scheduled, si, launch)
         spans, si, plan = self.multi_step.prepare(scheduled, si)
         if launch:
-            return None, spans, self.launcher.launch(self._multi_step_call, si, plan)
-        return None, spans, self._multi_step_call(si, plan)
+            return None, spans, self.launcher.launch(self._multi_step_call, si, plan), si
+        return None, spans, self._multi_step_call(si, plan), si
 
     def _multi_step_call(self, si: StepInput, plan):
         """Dispatch a prepared k-step program (on the launcher's thread when launched); its
@@ -328,8 +334,9 @@ class ModelRunner(RunAhead):
 
     def _step_and_sample(self, scheduled, si: StepInput, launch: bool = False):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
-        the sampler's output still on the device; None when nothing samples). A plain step
-        samples inside its own program (jaxkv/sampling/fused_sampling.py)."""
+        the sampler's output still on the device (None when nothing samples), the StepInput
+        dispatched). A plain step samples inside its own program
+        (jaxkv/sampling/fused_sampling.py)."""
         fused = si.sampling is not None and fs.fusable(scheduled, si.num_tokens,
                                                        self.fused_sampling_max_tokens)
         if fused:
@@ -337,16 +344,16 @@ class ModelRunner(RunAhead):
             si = fs.with_sampling(si, spans)
             self.num_fused_sampling_steps += 1
             if launch:  # (a step run ahead: no prompt logprobs, so no hidden needed)
-                return None, spans, self.launcher.launch(self._fused_step, si)
+                return None, spans, self.launcher.launch(self._fused_step, si), si
             hidden = self.forward(si)
-            return hidden, spans, smp.SamplerOutput(self.last_sampled_tokens, None, None, None, None)
+            return hidden, spans, smp.SamplerOutput(self.last_sampled_tokens, None, None, None, None), si
         hidden = self.forward(si)
         with self.compiles:
             spans, idx = rows.layout(scheduled, si.query_start_loc)
             sampled = (self.sampler.dispatch(self.params, hidden, spans, idx,
                                               sample_rows(si.num_tokens, len(idx), self.max_num_seqs))
                        if spans else None)
-        return hidden, spans, sampled
+        return hidden, spans, sampled, si
 
     def _fused_step(self, si: StepInput) -> smp.SamplerOutput:
         """Dispatch a step that samples in its program (on the launcher's thread); its

@@ -1,6 +1,8 @@
 """The runner's side of async scheduling: the step run ahead, predicted by lookahead.py and
 dispatched from the launcher's thread (launcher.py). ModelRunner inherits it; it reads the
-runner's prev_rows, block_size, max_model_len, multi_step, build_inputs and _dispatch.
+runner's prev_rows, block_size, max_model_len, multi_step, build_inputs and _dispatch, and for the
+fast path of a steady decode (steady_batch.py) max_num_seqs, max_blocks, rope_table,
+mark_decode_only, the fused-sampling limits and _fused_step.
 
 The KV pool is read through `kv_cache`, which first waits for the launcher's call in flight:
 every program that uses the pool then follows the step run ahead on the device, in the order
@@ -14,11 +16,15 @@ import logging
 from concurrent.futures import Future
 
 import jax
+import numpy as np
 
-from jaxkv.core.scheduler_output import SchedulerOutput
+from jaxkv.core.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxkv.runner import lookahead as la
-from jaxkv.runner.buckets import pick_bucket
+from jaxkv.runner.buckets import num_rows, pick_bucket
+from jaxkv.runner.input_builder import decode_step_input, padding_sampling
 from jaxkv.runner.launcher import Launcher
+from jaxkv.runner.steady_batch import SteadyBatch
+from jaxkv.sampling import fused_sampling as fs
 
 logger = logging.getLogger("jaxkv")
 
@@ -26,10 +32,11 @@ logger = logging.getLogger("jaxkv")
 class RunAhead:
     """Async scheduling's state on the runner: the step run ahead (`_ahead`, a
     lookahead.Ahead or None), the launcher that dispatches it (None: the engine thread
-    does), and the counts of steps run ahead (dispatched, used, discarded)."""
+    does), and the counts of steps run ahead (dispatched, used, discarded; steady: used by
+    the fast path of a steady decode, steady_batch.py)."""
     launcher: Launcher | None = None
     _ahead: la.Ahead | None = None
-    num_ahead_dispatched = num_ahead_used = num_ahead_discarded = 0
+    num_ahead_dispatched = num_ahead_used = num_ahead_discarded = num_ahead_steady = 0
 
     @property
     def kv_cache(self):
@@ -112,6 +119,63 @@ class RunAhead:
         prev_index = si.prev_index.copy()
         prev_index[:len(index)] = index  # one query row per sequence, in order
         si = dataclasses.replace(si, prev_sampled=(arrays[0], arrays[-1]), prev_index=prev_index)
-        _, spans, sampled = self._dispatch(predicted, si, launch=True)
+        _, spans, sampled, si = self._dispatch(predicted, si, launch=True)
         self.num_ahead_dispatched += 1
-        return la.Ahead(predicted, spans, sampled)
+        batch = SteadyBatch.of(predicted, si) if self.multi_step is None else None
+        return la.Ahead(predicted, spans, sampled, batch)
+
+    # ---- the fast path of a steady decode (steady_batch.py) ------------------------------
+    def _execute_steady(self, out: SchedulerOutput, ahead: la.Ahead) -> RunnerOutput | None:
+        """The step `out` when it asks exactly the plain decode step run ahead (`ahead`'s
+        batch matches it): dispatch the step after it from the batch's arrays, then read
+        the tokens. None, having done nothing, when it does not match."""
+        batch = ahead.batch
+        changed = batch.matches(out.scheduled) if batch is not None and self.multi_step is None else None
+        if changed is None:
+            return None
+        self.num_ahead_used += 1
+        self.num_ahead_steady += 1
+        self._ahead = self._run_ahead_steady(out, ahead, changed)
+        tokens = np.asarray(jax.device_get(ahead.sampled.token_ids))[:len(batch.ids)].tolist()
+        if self._ahead is not None:
+            nxt = self._ahead.batch
+            nxt.tokens = tuple([tokens[i]] for i in nxt.source_rows)
+        return RunnerOutput({rid: [t] for rid, t in zip(batch.ids, tokens)})
+
+    def _run_ahead_steady(self, out: SchedulerOutput, ahead: la.Ahead, changed: list[int]) -> la.Ahead | None:
+        """Dispatch the step after `out` (which matched ahead.batch; `changed`: its rows whose
+        block list changed), its input ids taken from ahead.sampled on the device: the
+        batch's arrays edited (SteadyBatch.advance). None when it cannot be predicted."""
+        batch = ahead.batch
+        step = batch.advance(out.scheduled, changed, self.block_size, self.max_model_len)
+        if step is None:
+            return None
+        keep, pos, tables, num_out = step
+        try:
+            t = pick_bucket(self._usable_buckets, len(keep))
+        except ValueError:
+            return None
+        if t > min(self.fused_program_max_tokens, self.fused_sampling_max_tokens):
+            return None  # its program would not sample: the general path's
+        r, prev = num_rows(t, self.max_num_seqs), ahead.sampled.token_ids
+        si = decode_step_input(pos, tables, (prev, prev), keep,
+                               batch.sampling_rows(keep, num_out, padding_sampling(r)),
+                               batch.sample_mode(keep), block_size=self.block_size, num_tokens=t,
+                               rows=r, max_blocks=self.max_blocks, rope_table=self.rope_table,
+                               mark_decode_only=self.mark_decode_only)
+        self.num_fused_sampling_steps += 1
+        sampled = (self.launcher.launch(self._fused_step, si)
+                   if self.launcher is not None and self.launch_ahead else self._fused_step(si))
+        self.num_ahead_dispatched += 1
+        return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, keep, pos, num_out, si))
+
+    def _predictions(self, ahead: la.Ahead) -> la.Ahead:
+        """`ahead` with its predicted ScheduledRequests and spans: made now from its batch's
+        source (lookahead.predict, input tokens filled) when the fast path left them out."""
+        if ahead.predicted is None:
+            b = ahead.batch
+            qs = [la.predict(s, self.block_size, self.max_model_len) for s in b.source]
+            for q, tok in zip(qs, b.tokens):
+                q.token_ids = list(tok)
+            ahead.predicted, ahead.spans = qs, fs.spans(qs)
+        return ahead

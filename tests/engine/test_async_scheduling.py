@@ -253,11 +253,13 @@ def test_a_steady_batch_of_any_size_decodes_ahead_every_step(tmp_path):
         outs, started = {}, set()
         while len(started) < b:
             started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-        before = engine.stats()
+        before, steady = engine.stats(), engine.runner.num_ahead_steady
         for _ in range(16):
             engine.step()
         after = engine.stats()
         assert after.num_async_steps_used - before.num_async_steps_used == 16, b
+        # ... all but the first of them by the steady batch's fast path (steady_batch.py)
+        assert engine.runner.num_ahead_steady - steady >= 15, b
         assert after.num_steps - before.num_steps == 16  # and the host's CPU time they took
         assert 0 < after.host_cpu_seconds - before.host_cpu_seconds < 16 * 1.0
         while engine.has_unfinished_requests():

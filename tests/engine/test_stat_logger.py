@@ -100,8 +100,9 @@ def test_async_steps_used_over_the_interval_when_on():
     lg.maybe_log(base)
     now[0] = 5.0
     line = lg.maybe_log(replace(base, num_running=1, num_generation_tokens=40,
-                                num_async_steps_used=47, num_async_steps_discarded=3))
-    assert line.endswith(", Async steps used: 37/38")
+                                num_async_steps_used=47, num_async_steps_discarded=3,
+                                num_async_steps_steady=30, num_launched_steps=38))
+    assert line.endswith(", Async steps used: 37/38 (steady: 30, launched: 38)")
     lg2 = LoggingStatLogger(5.0, clock=lambda: now[0])
     lg2.maybe_log(IDLE)
     now[0] = 15.0

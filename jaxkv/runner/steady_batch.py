@@ -1,0 +1,147 @@
+"""The persistent batch of a steady decode (vLLM V1's InputBatch), async scheduling's fast path
+(host side: numpy and plain data).
+
+In a steady decode batch every engine step asks exactly what the step run ahead computed
+(jaxkv/runner/lookahead.py), and the step after it is predicted from it. Done per sequence,
+that is ~10 passes of Python over ScheduledRequests each step (compare each with its
+prediction, predict each again, build the StepInput and the sampler's arrays from the new
+objects): 2-2.5 ms of the engine thread at batch 256 on the 2-core CPU. A SteadyBatch keeps
+the step run ahead as rows instead: request ids, positions, output counts, seeds, sampling
+parameters and block lists as tuples (compared with the scheduler's step at C speed, one
+comparison per field), and the dispatched StepInput, whose arrays the next step edits: every
+position + 1, the rows of sequences that end by length now dropped, block table rows
+rewritten where the scheduler's block list changed, the sampler's rows carried over with
+their output position + 1.
+
+A batch is kept only for a step run ahead whose every row is a plain decode (one token, fused
+sampling: no logprobs, penalties, logits filters, min_tokens ban, grammar or drafts) without
+multi-step decode. Whatever its checks do not prove (a sequence admitted, preempted,
+finished or changed meanwhile) sends the step down the general path, lookahead.Ahead.split,
+whose predictions are then made from `source` (the same lookahead.predict).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxkv.runner.lookahead import same_blocks
+from jaxkv.sampling import sampler as smp
+from jaxkv.sampling.rows import sampler_mode
+
+# The fields that must agree row by row, and those every row of a plain decode has.
+_ROW = operator.attrgetter("request_id", "num_computed_tokens", "num_output_tokens", "token_ids",
+                           "seed", "sample_index", "block_ids")
+def _PLAIN(s) -> tuple:  # noqa: N802 (read as the constant beside it)
+    return (s.sample, s.num_steps, s.min_tokens_banned_ids, s.spec_token_ids, s.grammar_bitmask is None,
+            s.prompt_logprob_targets, s.prompt_token_ids is None, s.output_token_ids is None)
+
+
+_PLAIN_ROW = (True, 1, [], [], True, [], True, True)
+
+
+@dataclass
+class SteadyBatch:
+    """The rows (row i = sequence i) of a plain decode step run ahead. positions: each row's
+    query position (its num_computed_tokens); tokens: its input token, [id] each (None until
+    the step before has been read); blocks: the block id lists its table rows hold; si: the
+    StepInput dispatched (numpy arrays); source: the ScheduledRequests it was predicted from
+    (one per row, the step before's), from which lookahead.predict makes its
+    ScheduledRequests when the general path needs them, and source_rows their rows there;
+    None when they were given."""
+    ids: tuple
+    positions: tuple
+    num_output: tuple
+    seeds: tuple
+    sample_index: tuple
+    params: tuple
+    blocks: tuple
+    si: object
+    source: list | None = None
+    source_rows: list[int] | None = None  # each row's row in the step before (its sampled token)
+    tokens: tuple | None = None
+
+    @classmethod
+    def of(cls, predicted, si, source=None) -> SteadyBatch | None:
+        """The batch of a step run ahead of ScheduledRequests `predicted` with StepInput
+        `si`; None unless every row is a plain decode whose program samples it."""
+        if si.sampling is None or not predicted or int(si.sample_mode[0]) == 0:
+            return None
+        if not all(map(_PLAIN_ROW.__eq__, map(_PLAIN, predicted))):
+            return None
+        ps = tuple(q.sampling_params for q in predicted)
+        if any(p.logprobs is not None or p.has_penalties or p.has_logits_filters
+               or getattr(p, "structured_outputs", None) is not None for p in ps):
+            return None
+        ids, pos, out, _, seeds, idx, blocks = zip(*map(_ROW, predicted))
+        return cls(ids, pos, out, seeds, idx, ps, blocks, si, source)
+
+    def matches(self, scheduled) -> list[int] | None:
+        """Whether the scheduler's step `scheduled` (ScheduledRequests) asks exactly what
+        this batch computed, row for row (lookahead.same_step for every row, in order):
+        None if not, else the rows whose block list changed since (grown past the table,
+        or blocks freed behind a sliding window)."""
+        if self.tokens is None or len(scheduled) != len(self.ids):
+            return None
+        ids, pos, out, toks, seeds, idx, blocks = zip(*map(_ROW, scheduled))
+        if (ids != self.ids or pos != self.positions or toks != self.tokens or out != self.num_output
+                or seeds != self.seeds or idx != self.sample_index
+                or not all(map(operator.is_, (s.sampling_params for s in scheduled), self.params))
+                or not all(map(_PLAIN_ROW.__eq__, map(_PLAIN, scheduled)))):
+            return None
+        if blocks == self.blocks:
+            return []
+        changed = [i for i, (a, b) in enumerate(zip(blocks, self.blocks)) if a != b]
+        return changed if all(same_blocks(blocks[i], self.blocks[i]) for i in changed) else None
+
+    def advance(self, scheduled, changed: list[int], block_size: int, max_model_len: int):
+        """The next step after `scheduled` (which matches this batch, `changed` its rows whose
+        block list changed): (the rows kept, int array: those not ending by length now, its
+        positions int32, its block tables [kept, B], its sampling arrays' rows taken from
+        this batch's, and the new batch's fields but si and tokens) - or None when some kept
+        sequence's next position lies past the blocks it holds, or none goes on (as
+        lookahead.plan)."""
+        pos = np.array(self.positions, np.int32) + 1  # the next query position
+        out = np.array(self.num_output, np.int32) + 1
+        max_tokens = np.fromiter((p.max_tokens for p in self.params), np.int64, len(self.params))
+        lens = np.fromiter(map(len, (s.block_ids for s in scheduled)), np.int32, len(scheduled))
+        end = (out >= max_tokens) | (pos + 1 >= max_model_len)
+        if ((pos // block_size >= lens) & ~end).any() or end.all():
+            return None
+        tables = self.si.block_tables[:len(self.ids)].copy()
+        for i in changed:
+            b = scheduled[i].block_ids
+            tables[i, :len(b)], tables[i, len(b):] = b, 0
+        keep = np.flatnonzero(~end)
+        return keep, pos[keep], tables[keep], out[keep]
+
+    def next_batch(self, scheduled, keep, pos, out, si) -> SteadyBatch:
+        """The batch of the step `advance` made (StepInput `si`): rows `keep` of
+        `scheduled`."""
+        k = keep.tolist()
+        pick = (lambda xs: tuple(xs[i] for i in k)) if len(k) < len(self.ids) else tuple
+        return SteadyBatch(pick(self.ids), tuple(pos.tolist()), tuple(out.tolist()), pick(self.seeds),
+                           pick(self.sample_index), pick(self.params),
+                           pick([s.block_ids for s in scheduled]), si, pick(list(scheduled)), k)
+
+    def sampling_rows(self, keep, out, padding):
+        """The sampler's arrays of the next step: this step's rows `keep`, output positions
+        `out`, padded as `padding` (sampling_arrays' padding rows [R])."""
+        n, fields = len(keep), []
+        for pad, old in zip(padding, self.si.sampling):
+            a = pad.copy()
+            a[:n] = old[keep]
+            fields.append(a)
+        rows = type(padding)(*fields)
+        rows.step[:n] = out  # the output position
+        return rows
+
+    def sample_mode(self, keep) -> np.ndarray:
+        """StepInput.sample_mode of the next step (rows `keep`): this step's unless rows were
+        dropped."""
+        if len(keep) == len(self.ids):
+            return self.si.sample_mode
+        mode = sampler_mode([self.params[i] for i in keep.tolist()])
+        return np.array([1 + smp.MODES.index(mode)], np.int32)

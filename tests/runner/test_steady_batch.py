@@ -1,0 +1,170 @@
+"""The fast path of a steady decode (jaxkv/runner/steady_batch.py) against the general one: from
+the same scheduled step, SteadyBatch's arrays must give exactly the StepInput and sampler rows
+that lookahead.plan + build_step_input + fused_sampling give, and it must refuse every step
+that does not ask what it computed."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxkv.runner import lookahead as la
+from jaxkv.runner.input_builder import build_step_input, decode_step_input, padding_sampling
+from jaxkv.runner.steady_batch import SteadyBatch
+from jaxkv.sampling import fused_sampling as fs
+from jaxkv.sampling.params import SamplingParams
+
+BS, MAX_LEN, ROWS, MAX_BLOCKS = 4, 40, 16, 10
+ROPE = (np.random.default_rng(0).random((MAX_LEN, 4), np.float32),
+        np.random.default_rng(1).random((MAX_LEN, 4), np.float32))
+
+
+def _general(scheduled, prev):
+    """(predicted, StepInput) of the step run ahead after `scheduled`, as RunAhead._run_ahead
+    makes it (every sequence's token in row i of `prev`, one bucket of ROWS tokens)."""
+    plan = la.plan(scheduled, {s.request_id: (0, i) for i, s in enumerate(scheduled)}, BS, MAX_LEN, ROWS)
+    if plan is None:
+        return None, None
+    predicted, index = plan
+    si = build_step_input(SchedulerOutput(predicted), block_size=BS, num_tokens=ROWS, rows=ROWS,
+                          max_blocks=MAX_BLOCKS, rope_table=ROPE, mark_decode_only=True,
+                          prev_rows=ROWS, fused_sampling=True)
+    prev_index = si.prev_index.copy()
+    prev_index[:len(index)] = index
+    si = dataclasses.replace(si, prev_sampled=(prev, prev), prev_index=prev_index)
+    return predicted, fs.with_sampling(si, fs.spans(predicted))
+
+
+def _fast(batch, scheduled, changed, prev):
+    step = batch.advance(scheduled, changed, BS, MAX_LEN)
+    if step is None:
+        return None, None
+    keep, pos, tables, out = step
+    si = decode_step_input(pos, tables, (prev, prev), keep,
+                           batch.sampling_rows(keep, out, padding_sampling(ROWS)),
+                           batch.sample_mode(keep), block_size=BS, num_tokens=ROWS, rows=ROWS,
+                           max_blocks=MAX_BLOCKS, rope_table=ROPE, mark_decode_only=True)
+    return batch.next_batch(scheduled, keep, pos, out, si), si
+
+
+def _assert_same_input(a, b):
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "sampling":
+            for name, u, v in zip(x._fields, x, y):
+                np.testing.assert_array_equal(u, v, err_msg=name)
+        elif f.name == "prev_sampled":
+            assert x[0] is y[0] and x[1] is y[1]
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=f.name)
+
+
+def _scheduler_step(predicted, tokens, rng):
+    """What the scheduler asks next: each prediction as a new ScheduledRequest with its token,
+    some block lists grown by a block (a lookahead slot)."""
+    out = []
+    for q, t in zip(predicted, tokens):
+        blocks = list(q.block_ids)
+        if rng.random() < 0.5 and len(blocks) < MAX_BLOCKS:
+            blocks.append(100 + rng.randrange(100))
+        out.append(dataclasses.replace(q, token_ids=[t], block_ids=blocks))
+    return out
+
+
+def _first_step(rng, n):
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), top_k=rng.choice([0, 5]),
+                             seed=3, max_tokens=rng.randrange(3, 30)) for _ in range(n)]
+    scheduled = []
+    for i, p in enumerate(params):
+        pos = rng.randrange(2, 24)
+        blocks = [1 + 13 * i + j for j in range((pos + 1) // BS + 1 + rng.randrange(2))]
+        scheduled.append(ScheduledRequest(f"r{i}", [5], pos, blocks, True, p, 11 * i, i % 2,
+                                          rng.randrange(0, 2)))
+    return scheduled
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_fast_path_builds_what_the_general_path_builds(seed):
+    rng = random.Random(seed)
+    prev = np.arange(ROWS, dtype=np.int32)  # (a stand-in for a sampler output on the device)
+    predicted, si = _general(_first_step(rng, rng.randrange(1, ROWS + 1)), prev)
+    batch, steps = SteadyBatch.of(predicted, si), 0
+    assert batch is not None
+    while predicted is not None:
+        tokens = [rng.randrange(3, 500) for _ in predicted]
+        la.Ahead(predicted, fs.spans(predicted), None, batch).fill_tokens(
+            {q.request_id: [t] for q, t in zip(predicted, tokens)})
+        scheduled = _scheduler_step(predicted, tokens, rng)
+        changed = batch.matches(scheduled)
+        assert changed == [i for i, (s, q) in enumerate(zip(scheduled, predicted))
+                           if s.block_ids != q.block_ids]
+        predicted, si = _general(scheduled, prev)
+        batch, fast = _fast(batch, scheduled, changed, prev)
+        assert (predicted is None) == (batch is None)
+        if batch is not None:
+            _assert_same_input(si, fast)
+            assert batch.ids == tuple(q.request_id for q in predicted)
+            again = [la.predict(s, BS, MAX_LEN) for s in batch.source]  # the general path's objects
+            assert [(q.num_computed_tokens, q.num_output_tokens, q.block_ids) for q in again] == \
+                   [(q.num_computed_tokens, q.num_output_tokens, q.block_ids) for q in predicted]
+        steps += 1
+    assert steps >= 1
+
+
+def _steady(n=3):
+    rng = random.Random(5)
+    scheduled = _first_step(rng, n)
+    for s in scheduled:
+        s.sampling_params.max_tokens = 50
+    predicted, si = _general(scheduled, np.zeros(ROWS, np.int32))
+    batch = SteadyBatch.of(predicted, si)
+    la.Ahead(predicted, None, None, batch).fill_tokens({q.request_id: [7] for q in predicted})
+    return batch, [dataclasses.replace(q, block_ids=list(q.block_ids)) for q in predicted]
+
+
+CHANGES = {
+    "token": lambda s: setattr(s, "token_ids", [8]),
+    "position": lambda s: setattr(s, "num_computed_tokens", s.num_computed_tokens + 1),
+    "output count": lambda s: setattr(s, "num_output_tokens", s.num_output_tokens + 1),
+    "params": lambda s: setattr(s, "sampling_params", SamplingParams(max_tokens=50)),
+    "seed": lambda s: setattr(s, "seed", s.seed + 1),
+    "sample index": lambda s: setattr(s, "sample_index", 7),
+    "draft": lambda s: setattr(s, "spec_token_ids", [3]),
+    "min_tokens ban": lambda s: setattr(s, "min_tokens_banned_ids", [2]),
+    "history": lambda s: setattr(s, "output_token_ids", [1]),
+    "grammar": lambda s: setattr(s, "grammar_bitmask", np.zeros(4, np.int32)),
+    "two tokens": lambda s: setattr(s, "token_ids", [7, 7]),
+    "blocks replaced": lambda s: s.block_ids.__setitem__(0, 999),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_step_that_asks_anything_else_is_refused(change):
+    batch, scheduled = _steady()
+    assert batch.matches(scheduled) == []
+    CHANGES[change](scheduled[1])
+    assert batch.matches(scheduled) is None
+
+
+def test_rows_added_removed_or_reordered_are_refused_but_grown_or_windowed_blocks_are_not():
+    batch, scheduled = _steady()
+    assert batch.matches(scheduled[:2]) is None
+    assert batch.matches(scheduled[::-1]) is None
+    assert batch.matches(scheduled + [scheduled[0]]) is None
+    scheduled[2].block_ids.append(77)  # a lookahead block
+    scheduled[0].block_ids[0] = 0  # freed behind a sliding window
+    assert batch.matches(scheduled) == [0, 2]
+
+
+def test_only_plain_decodes_make_a_batch():
+    rng = random.Random(2)
+    scheduled = _first_step(rng, 2)
+    scheduled[1].sampling_params = SamplingParams(temperature=0, logprobs=1, max_tokens=50)
+    scheduled[0].sampling_params.max_tokens = 50
+    predicted, si = _general(scheduled, np.zeros(ROWS, np.int32))
+    assert SteadyBatch.of(predicted, si) is None
+    assert SteadyBatch.of(predicted, dataclasses.replace(si, sample_mode=np.zeros(1, np.int32))) is None
