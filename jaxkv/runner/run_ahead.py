@@ -130,27 +130,31 @@ class RunAhead:
         batch matches it): dispatch the step after it from the batch's arrays, then read
         the tokens. None, having done nothing, when it does not match."""
         batch = ahead.batch
-        changed = batch.matches(out.scheduled) if batch is not None and self.multi_step is None else None
-        if changed is None:
+        match = batch.matches(out.scheduled) if batch is not None and self.multi_step is None else None
+        if match is None:
             return None
         self.num_ahead_used += 1
         self.num_ahead_steady += 1
-        self._ahead = self._run_ahead_steady(out, ahead, changed)
-        tokens = np.asarray(jax.device_get(ahead.sampled.token_ids))[:len(batch.ids)].tolist()
+        self._ahead = self._run_ahead_steady(out, ahead, *match)
+        # (np.asarray, not jax.device_get: its tree walk and extra copy cost ~0.2 ms of the
+        # engine thread per step at batch 256 on the 2-core CPU)
+        tokens = np.asarray(ahead.sampled.token_ids)[:len(batch.ids)].tolist()
         if self._ahead is not None:
             nxt = self._ahead.batch
             nxt.tokens = tuple([tokens[i]] for i in nxt.source_rows)
         return RunnerOutput({rid: [t] for rid, t in zip(batch.ids, tokens)})
 
-    def _run_ahead_steady(self, out: SchedulerOutput, ahead: la.Ahead, changed: list[int]) -> la.Ahead | None:
-        """Dispatch the step after `out` (which matched ahead.batch; `changed`: its rows whose
-        block list changed), its input ids taken from ahead.sampled on the device: the
-        batch's arrays edited (SteadyBatch.advance). None when it cannot be predicted."""
+    def _run_ahead_steady(self, out: SchedulerOutput, ahead: la.Ahead, changed: list[int],
+                          blocks: tuple) -> la.Ahead | None:
+        """Dispatch the step after `out` (which matched ahead.batch: `changed` and `blocks`
+        as SteadyBatch.matches returns them), its input ids taken from ahead.sampled on the
+        device: the batch's arrays edited (SteadyBatch.advance). None when it cannot be
+        predicted."""
         batch = ahead.batch
-        step = batch.advance(out.scheduled, changed, self.block_size, self.max_model_len)
+        step = batch.advance(blocks, changed, self.block_size, self.max_model_len)
         if step is None:
             return None
-        keep, pos, tables, num_out = step
+        keep, pos, num_out, tables = step
         try:
             t = pick_bucket(self._usable_buckets, len(keep))
         except ValueError:
@@ -167,7 +171,7 @@ class RunAhead:
         sampled = (self.launcher.launch(self._fused_step, si)
                    if self.launcher is not None and self.launch_ahead else self._fused_step(si))
         self.num_ahead_dispatched += 1
-        return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, keep, pos, num_out, si))
+        return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, blocks, keep, pos, num_out, si))
 
     def _predictions(self, ahead: la.Ahead) -> la.Ahead:
         """`ahead` with its predicted ScheduledRequests and spans: made now from its batch's

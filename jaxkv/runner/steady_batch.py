@@ -22,6 +22,7 @@ whose predictions are then made from `source` (the same lookahead.predict).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -31,15 +32,22 @@ from jaxkv.runner.lookahead import same_blocks
 from jaxkv.sampling import sampler as smp
 from jaxkv.sampling.rows import sampler_mode
 
-# The fields that must agree row by row, and those every row of a plain decode has.
+# The fields that must agree row by row, and those every row of a plain decode has: equal to
+# _PLAIN_ROW, and None (a grammar bitmask, the token history for penalties). One C-level pass
+# per getter: this runs per sequence per step.
 _ROW = operator.attrgetter("request_id", "num_computed_tokens", "num_output_tokens", "token_ids",
-                           "seed", "sample_index", "block_ids")
-def _PLAIN(s) -> tuple:  # noqa: N802 (read as the constant beside it)
-    return (s.sample, s.num_steps, s.min_tokens_banned_ids, s.spec_token_ids, s.grammar_bitmask is None,
-            s.prompt_logprob_targets, s.prompt_token_ids is None, s.output_token_ids is None)
+                           "seed", "sample_index", "block_ids", "sampling_params")
+_PLAIN = operator.attrgetter("sample", "num_steps", "min_tokens_banned_ids", "spec_token_ids",
+                             "prompt_logprob_targets")
+_PLAIN_ROW = (True, 1, [], [], [])
+_NONE = tuple(map(operator.attrgetter, ("grammar_bitmask", "prompt_token_ids", "output_token_ids")))
 
 
-_PLAIN_ROW = (True, 1, [], [], True, [], True, True)
+def plain_rows(scheduled) -> bool:
+    """Whether every ScheduledRequest of `scheduled` is a plain decode's one sampled token as
+    far as its own fields tell (its sampling parameters aside)."""
+    return (all(map(_PLAIN_ROW.__eq__, map(_PLAIN, scheduled)))
+            and all(all(map(operator.is_, map(get, scheduled), itertools.repeat(None))) for get in _NONE))
 
 
 @dataclass
@@ -62,6 +70,7 @@ class SteadyBatch:
     source: list | None = None
     source_rows: list[int] | None = None  # each row's row in the step before (its sampled token)
     tokens: tuple | None = None
+    max_tokens: np.ndarray | None = None  # int64 [m]: each row's max_tokens (made when needed)
 
     @classmethod
     def of(cls, predicted, si, source=None) -> SteadyBatch | None:
@@ -69,62 +78,60 @@ class SteadyBatch:
         `si`; None unless every row is a plain decode whose program samples it."""
         if si.sampling is None or not predicted or int(si.sample_mode[0]) == 0:
             return None
-        if not all(map(_PLAIN_ROW.__eq__, map(_PLAIN, predicted))):
+        if not plain_rows(predicted):
             return None
-        ps = tuple(q.sampling_params for q in predicted)
+        ids, pos, out, _, seeds, idx, blocks, ps = zip(*map(_ROW, predicted))
         if any(p.logprobs is not None or p.has_penalties or p.has_logits_filters
                or getattr(p, "structured_outputs", None) is not None for p in ps):
             return None
-        ids, pos, out, _, seeds, idx, blocks = zip(*map(_ROW, predicted))
         return cls(ids, pos, out, seeds, idx, ps, blocks, si, source)
 
-    def matches(self, scheduled) -> list[int] | None:
+    def matches(self, scheduled) -> tuple[list[int], tuple] | None:
         """Whether the scheduler's step `scheduled` (ScheduledRequests) asks exactly what
         this batch computed, row for row (lookahead.same_step for every row, in order):
-        None if not, else the rows whose block list changed since (grown past the table,
-        or blocks freed behind a sliding window)."""
+        None if not, else (the rows whose block list changed since: grown past the table, or
+        blocks freed behind a sliding window; the step's block lists)."""
         if self.tokens is None or len(scheduled) != len(self.ids):
             return None
-        ids, pos, out, toks, seeds, idx, blocks = zip(*map(_ROW, scheduled))
+        ids, pos, out, toks, seeds, idx, blocks, ps = zip(*map(_ROW, scheduled))
         if (ids != self.ids or pos != self.positions or toks != self.tokens or out != self.num_output
                 or seeds != self.seeds or idx != self.sample_index
-                or not all(map(operator.is_, (s.sampling_params for s in scheduled), self.params))
-                or not all(map(_PLAIN_ROW.__eq__, map(_PLAIN, scheduled)))):
+                or not all(map(operator.is_, ps, self.params)) or not plain_rows(scheduled)):
             return None
         if blocks == self.blocks:
-            return []
+            return [], blocks
         changed = [i for i, (a, b) in enumerate(zip(blocks, self.blocks)) if a != b]
-        return changed if all(same_blocks(blocks[i], self.blocks[i]) for i in changed) else None
+        return (changed, blocks) if all(same_blocks(blocks[i], self.blocks[i]) for i in changed) else None
 
-    def advance(self, scheduled, changed: list[int], block_size: int, max_model_len: int):
-        """The next step after `scheduled` (which matches this batch, `changed` its rows whose
-        block list changed): (the rows kept, int array: those not ending by length now, its
-        positions int32, its block tables [kept, B], its sampling arrays' rows taken from
-        this batch's, and the new batch's fields but si and tokens) - or None when some kept
-        sequence's next position lies past the blocks it holds, or none goes on (as
-        lookahead.plan)."""
+    def advance(self, blocks: tuple, changed: list[int], block_size: int, max_model_len: int):
+        """The next step after the scheduler's step that matched this batch (`blocks`, `changed`:
+        what `matches` returned): (the rows kept, int array: those not ending by length now;
+        their next positions and output counts, int32 [kept]; their block tables, int32
+        [kept, B]) - or None when some kept sequence's next position lies past the blocks it
+        holds, or none goes on (as lookahead.plan)."""
         pos = np.array(self.positions, np.int32) + 1  # the next query position
         out = np.array(self.num_output, np.int32) + 1
-        max_tokens = np.fromiter((p.max_tokens for p in self.params), np.int64, len(self.params))
-        lens = np.fromiter(map(len, (s.block_ids for s in scheduled)), np.int32, len(scheduled))
-        end = (out >= max_tokens) | (pos + 1 >= max_model_len)
+        if self.max_tokens is None:
+            self.max_tokens = np.fromiter((p.max_tokens for p in self.params), np.int64, len(self.params))
+        lens = np.fromiter(map(len, blocks), np.int32, len(blocks))
+        end = (out >= self.max_tokens) | (pos + 1 >= max_model_len)
         if ((pos // block_size >= lens) & ~end).any() or end.all():
             return None
         tables = self.si.block_tables[:len(self.ids)].copy()
         for i in changed:
-            b = scheduled[i].block_ids
+            b = blocks[i]
             tables[i, :len(b)], tables[i, len(b):] = b, 0
         keep = np.flatnonzero(~end)
-        return keep, pos[keep], tables[keep], out[keep]
+        return keep, pos[keep], out[keep], tables[keep]
 
-    def next_batch(self, scheduled, keep, pos, out, si) -> SteadyBatch:
-        """The batch of the step `advance` made (StepInput `si`): rows `keep` of
-        `scheduled`."""
+    def next_batch(self, scheduled, blocks: tuple, keep, pos, out, si) -> SteadyBatch:
+        """The batch of the step `advance` made (StepInput `si`): rows `keep` of the
+        scheduler's step `scheduled` (its block lists `blocks`)."""
         k = keep.tolist()
         pick = (lambda xs: tuple(xs[i] for i in k)) if len(k) < len(self.ids) else tuple
         return SteadyBatch(pick(self.ids), tuple(pos.tolist()), tuple(out.tolist()), pick(self.seeds),
-                           pick(self.sample_index), pick(self.params),
-                           pick([s.block_ids for s in scheduled]), si, pick(list(scheduled)), k)
+                           pick(self.sample_index), pick(self.params), pick(blocks), si,
+                           pick(scheduled), k, max_tokens=self.max_tokens[keep])
 
     def sampling_rows(self, keep, out, padding):
         """The sampler's arrays of the next step: this step's rows `keep`, output positions

@@ -39,16 +39,16 @@ def _general(scheduled, prev):
     return predicted, fs.with_sampling(si, fs.spans(predicted))
 
 
-def _fast(batch, scheduled, changed, prev):
-    step = batch.advance(scheduled, changed, BS, MAX_LEN)
+def _fast(batch, scheduled, match, prev):
+    step = batch.advance(match[1], match[0], BS, MAX_LEN)
     if step is None:
         return None, None
-    keep, pos, tables, out = step
+    keep, pos, out, tables = step
     si = decode_step_input(pos, tables, (prev, prev), keep,
                            batch.sampling_rows(keep, out, padding_sampling(ROWS)),
                            batch.sample_mode(keep), block_size=BS, num_tokens=ROWS, rows=ROWS,
                            max_blocks=MAX_BLOCKS, rope_table=ROPE, mark_decode_only=True)
-    return batch.next_batch(scheduled, keep, pos, out, si), si
+    return batch.next_batch(scheduled, match[1], keep, pos, out, si), si
 
 
 def _assert_same_input(a, b):
@@ -99,11 +99,11 @@ def test_the_fast_path_builds_what_the_general_path_builds(seed):
         la.Ahead(predicted, fs.spans(predicted), None, batch).fill_tokens(
             {q.request_id: [t] for q, t in zip(predicted, tokens)})
         scheduled = _scheduler_step(predicted, tokens, rng)
-        changed = batch.matches(scheduled)
-        assert changed == [i for i, (s, q) in enumerate(zip(scheduled, predicted))
-                           if s.block_ids != q.block_ids]
+        match = batch.matches(scheduled)
+        assert match[0] == [i for i, (s, q) in enumerate(zip(scheduled, predicted))
+                            if s.block_ids != q.block_ids]
         predicted, si = _general(scheduled, prev)
-        batch, fast = _fast(batch, scheduled, changed, prev)
+        batch, fast = _fast(batch, scheduled, match, prev)
         assert (predicted is None) == (batch is None)
         if batch is not None:
             _assert_same_input(si, fast)
@@ -145,7 +145,7 @@ CHANGES = {
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_step_that_asks_anything_else_is_refused(change):
     batch, scheduled = _steady()
-    assert batch.matches(scheduled) == []
+    assert batch.matches(scheduled)[0] == []
     CHANGES[change](scheduled[1])
     assert batch.matches(scheduled) is None
 
@@ -157,7 +157,7 @@ def test_rows_added_removed_or_reordered_are_refused_but_grown_or_windowed_block
     assert batch.matches(scheduled + [scheduled[0]]) is None
     scheduled[2].block_ids.append(77)  # a lookahead block
     scheduled[0].block_ids[0] = 0  # freed behind a sliding window
-    assert batch.matches(scheduled) == [0, 2]
+    assert batch.matches(scheduled)[0] == [0, 2]
 
 
 def test_only_plain_decodes_make_a_batch():
