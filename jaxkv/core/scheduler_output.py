@@ -1,6 +1,6 @@
 """The records of one step between the scheduler and the runner (plain data, no arrays
 needed by the scheduler): SchedulerOutput goes to the runner, RunnerOutput comes back, and
-Scheduler.update_from_output turns them into one RequestUpdate per scheduled request.
+Scheduler.update_from_output turns them into EngineCoreOutputs (jaxkv/core/core_output.py).
 
 The runner never sees a Request: it gets ids, token ids, positions and block ids here, and
 hands back the new tokens of each sampled sequence.
@@ -9,10 +9,7 @@ hands back the new tokens of each sampled sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .request import Request, RequestStatus
+from typing import Any
 
 
 @dataclass
@@ -94,19 +91,3 @@ class RunnerOutput:
     logprobs: dict[str, list[tuple]] = field(default_factory=dict)
     # request id -> (target logprobs [n], ranks [n], top logprobs [n, k], top ids [n, k])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request, as Scheduler.update_from_output applied it.
-
-    new_token_ids: tokens appended this step (empty for a prompt chunk that samples nothing).
-    first_position: the step's first position (num_computed_tokens before it).
-    finished: the token-level finish (EOS, stop_token_ids, max_tokens, max_model_len), or
-    None; the request's blocks are already freed then. Stop strings are the output
-    processor's to find.
-    """
-    request: Request
-    new_token_ids: list[int]
-    first_position: int
-    finished: RequestStatus | None = None

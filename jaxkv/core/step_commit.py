@@ -8,28 +8,34 @@ from __future__ import annotations
 
 import time
 
+from .core_output import EngineCoreOutput, core_output
 from .request import Request, RequestStatus, check_stop
-from .scheduler_output import RequestUpdate, RunnerOutput, SchedulerOutput
+from .scheduler_output import RunnerOutput, SchedulerOutput
 
 
 class StepCommit:
-    def update_from_output(self, out: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, out: SchedulerOutput, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
         """The step ran (vLLM's name): commit it, credit the computed tokens, fork children
         whose parent's prompt is now done, append the sampled tokens and apply the
         token-level stops (EOS and stop_token_ids once min_tokens are out, max_tokens,
-        max_model_len), finishing those requests. With a draft, the runner's tokens are the
-        accepted drafts and one sampled token: num_computed_tokens advances over the accepted
-        ones, the blocks past them are freed, and the tokens are appended one by one up to
-        the first stop. Returns one RequestUpdate per scheduled request, in scheduled order."""
-        now, updates, sampled, requests = time.monotonic(), [], runner_output.sampled, self.requests
+        max_model_len), finishing those requests (their blocks freed). With a draft, the
+        runner's tokens are the accepted drafts and one sampled token: num_computed_tokens
+        advances over the accepted ones, the blocks past them are freed, and the tokens are
+        appended one by one up to the first stop. Returns, in scheduled order, an
+        EngineCoreOutput (jaxkv/core/core_output.py, as vLLM V1's scheduler returns them) for
+        each scheduled request that got tokens, finished or has prompt logprobs: a prompt
+        chunk that samples nothing says nothing. Stop strings are the output processor's."""
+        now, outputs, finished, requests = time.monotonic(), [], [], self.requests
+        sampled, lps, plps = runner_output.sampled, runner_output.logprobs, runner_output.prompt_logprobs
         max_len = self.config.max_model_len
         for s in out.scheduled:
-            req = requests[s.request_id]
+            rid = s.request_id
+            req = requests[rid]
             start, n = s.num_computed_tokens, len(s.token_ids)
             num_prompt = len(req.prompt_token_ids)
             if start < num_prompt:
                 self.num_computed_prompt_tokens += min(start + n, num_prompt) - start
-            tokens = sampled.get(s.request_id, ())
+            tokens = sampled.get(rid, ())
             rejected = 0
             if s.spec_token_ids and tokens:
                 rejected = len(s.spec_token_ids) - (len(tokens) - 1)
@@ -38,9 +44,9 @@ class StepCommit:
             if rejected:
                 self.kv.trim(req, req.num_computed_tokens)
             if self.pending_forks:
-                kids = self.pending_forks.get(req.request_id)
+                kids = self.pending_forks.get(rid)
                 if kids and req.num_computed_tokens >= num_prompt:
-                    del self.pending_forks[req.request_id]
+                    del self.pending_forks[rid]
                     self._fork(req, kids)  # before a finish below frees the parent's blocks
             if len(tokens) == 1 and req.grammar is None:  # a decode's one token (most rows)
                 token = tokens[0]
@@ -50,34 +56,41 @@ class StepCommit:
                 if times.first_token_time is None:
                     times.first_token_time = now
                 times.last_token_time = now
-                updates.append(RequestUpdate(req, [token], start, check_stop(req, token, max_len)))
+                new, status = [token], check_stop(req, token, max_len)
             else:
-                updates.append(self._append_tokens(req, tokens, start, now))
+                new, status = self._append_tokens(req, tokens, now)
+            plp = (start + 1, plps[rid]) if plps and rid in plps else None
+            if status is not None:  # its snapshot once finish() below has run
+                finished.append((len(outputs), req, status, new, plp))
+                outputs.append(None)
+            elif new or plp is not None:
+                outputs.append(core_output(req, new, lps.get(rid) if lps else None, plp))
         self.kv.commit_step()
         self._step_journal = []
-        for upd in updates:
-            if upd.finished is not None:
-                self.finish(upd.request, upd.finished)
-        return updates
+        for i, req, status, new, plp in finished:
+            self.finish(req, status)
+            outputs[i] = core_output(req, new, lps.get(req.request_id) if lps else None, plp)
+        return outputs
 
-    def _append_tokens(self, req: Request, tokens, start: int, now: float) -> RequestUpdate:
+    def _append_tokens(self, req: Request, tokens, now: float) -> tuple[list[int], RequestStatus | None]:
         """Append the step's `tokens` to `req` one by one up to the first stop (or the first
-        token its grammar refuses, dropped: FINISHED_ERROR); their times are `now`."""
-        upd = RequestUpdate(req, [], start)
+        token its grammar refuses, dropped: FINISHED_ERROR); their times are `now`. Returns
+        (the tokens appended, the finish or None)."""
+        new, status = [], None
         for token in tokens:
             if req.grammar is not None and not req.grammar.accept(token):
-                upd.finished = RequestStatus.FINISHED_ERROR  # the token is dropped
+                status = RequestStatus.FINISHED_ERROR  # the token is dropped
                 break
             req.append_output_token(token)
-            upd.new_token_ids.append(token)
+            new.append(token)
             times = req.times
             if times.first_token_time is None:
                 times.first_token_time = now
             times.last_token_time = now
-            upd.finished = check_stop(req, token, self.config.max_model_len)
-            if upd.finished is not None:
+            status = check_stop(req, token, self.config.max_model_len)
+            if status is not None:
                 break
-        return upd
+        return new, status
 
     def undo_step(self) -> int:
         """The step last scheduled did not run: forget the block hashes it registered and

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxkv.engine_args import EngineArgs
 from jaxkv.engine_config import EngineConfig
-from jaxkv.engine.core_output import EngineCoreOutput, core_output, core_outputs
+from jaxkv.core.core_output import EngineCoreOutput, core_output
 from jaxkv.engine.core_request import EngineCoreRequest
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.core.disk_tier import CorruptBlockError
@@ -250,7 +250,7 @@ class LLMEngine:
         except BaseException:
             self._undo_failed_step()
             raise
-        return core_outputs(sched.update_from_output(out, res), res)
+        return sched.update_from_output(out, res)
 
     def process_outputs(self, core: list[EngineCoreOutput], every_sample: bool = False) -> list[RequestOutput]:
         """RequestOutputs of `core` (OutputProcessor.process), on this thread; the sequences

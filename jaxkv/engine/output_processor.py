@@ -1,7 +1,7 @@
 """Turns EngineCoreOutputs into RequestOutputs: detokenization, stop strings, logprob dicts,
 output kinds. (Token-level stops are the scheduler's: Scheduler.update_from_output.)
 
-It reads only EngineCoreOutputs (jaxkv/engine/core_output.py) and keeps its own state per
+It reads only EngineCoreOutputs (jaxkv/core/core_output.py) and keeps its own state per
 sequence, never the engine's Requests: it may run on another thread than the engine's
 (AsyncLLM's output thread), one step behind. A stop string it finds ends the sequence here
 at once (tokens sampled after it are dropped); `process` returns it as a stop for the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from jaxkv.engine.core_output import EngineCoreOutput
+from jaxkv.core.core_output import EngineCoreOutput
 from jaxkv.engine.detokenizer import IncrementalDetokenizer, detokenize_token
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

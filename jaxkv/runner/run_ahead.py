@@ -1,8 +1,8 @@
 """The runner's side of async scheduling: the step run ahead, predicted by lookahead.py and
 dispatched from the launcher's thread (launcher.py). ModelRunner inherits it; it reads the
-runner's prev_rows, block_size, max_model_len, multi_step, build_inputs and _dispatch, and for the
-fast path of a steady decode (steady_batch.py) max_num_seqs, max_blocks, rope_table,
-mark_decode_only, the fused-sampling limits and _fused_step.
+runner's prev_rows, block_size, max_model_len, multi_step, async_scheduling, build_inputs and
+_dispatch, and for the fast path of a steady decode (steady_batch.py) max_num_seqs,
+max_blocks, rope_table, mark_decode_only, the fused-sampling limits and _fused_step.
 
 The KV pool is read through `kv_cache`, which first waits for the launcher's call in flight:
 every program that uses the pool then follows the step run ahead on the device, in the order
@@ -130,7 +130,9 @@ class RunAhead:
         batch matches it): dispatch the step after it from the batch's arrays, then read
         the tokens. None, having done nothing, when it does not match."""
         batch = ahead.batch
-        match = batch.matches(out.scheduled) if batch is not None and self.multi_step is None else None
+        if batch is None or self.multi_step is not None or not self.async_scheduling:
+            return None  # (switched off at run time: the general path takes the results)
+        match = batch.matches(out.scheduled)
         if match is None:
             return None
         self.num_ahead_used += 1

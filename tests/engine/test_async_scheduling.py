@@ -117,6 +117,30 @@ def test_llm_generate_with_and_without_async_scheduling(llm):
     assert [len(o.outputs[0].token_ids) for o in got] == [5, 17, 33, 40]
 
 
+def test_switching_async_scheduling_off_mid_decode_stops_running_ahead(llm):
+    """The run-time switch holds on the steady batch's fast path too: once off, the step run
+    ahead is taken and none follows it."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    saved = runner.async_scheduling
+    try:
+        for i in range(2):
+            engine.add_request(f"t{i}", PROMPTS[i], sp)
+        steady = runner.num_ahead_steady
+        for _ in range(10):
+            engine.step()
+        assert runner.num_ahead_steady > steady
+        runner.async_scheduling = False
+        engine.step()  # takes the step run ahead
+        dispatched = runner.num_ahead_dispatched
+        for _ in range(5):
+            engine.step()
+        assert runner.num_ahead_dispatched == dispatched and not runner.step_ahead_pending
+    finally:
+        runner.async_scheduling = saved
+        engine.abort_request(["t0", "t1"])
+
+
 # ---- the host-side rules ---------------------------------------------------------------
 def _sched(**kw):
     base = dict(request_id="r", token_ids=[5], num_computed_tokens=20, block_ids=[3, 4],

@@ -1,14 +1,14 @@
 """EngineCoreOutput: what one step did to one sequence, copied out of the engine's Request
-(vLLM V1's name). The output processor builds RequestOutputs from these alone, never from
-a Request, so it may run on another thread while the engine thread goes on with the next
-step (jaxkv/engine/output_thread.py)."""
+(vLLM V1's name; its scheduler's update_from_output makes them, as Scheduler.update_from_output
+does here, jaxkv/core/step_commit.py). The output processor builds RequestOutputs from these
+alone, never from a Request, so it may run on another thread while the engine thread goes on
+with the next step (jaxkv/engine/output_thread.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxkv.core.request import Request, RequestStatus
-from jaxkv.core.scheduler_output import RequestUpdate
+from .request import Request, RequestStatus
 
 
 @dataclass(slots=True)  # (one per sequence per step: no __dict__)
@@ -45,17 +45,4 @@ def core_output(req: Request, new_token_ids: list[int], new_logprobs=None,
                             req.num_cached_tokens)
 
 
-def core_outputs(updates: list[RequestUpdate], runner_output) -> list[EngineCoreOutput]:
-    """One EngineCoreOutput per update that says something: new tokens, a finish, or prompt
-    logprobs (a prompt chunk that samples nothing says nothing)."""
-    lps, plps, out = runner_output.logprobs, runner_output.prompt_logprobs, []
-    for upd in updates:
-        req = upd.request
-        rid = req.request_id
-        plp = (upd.first_position + 1, plps[rid]) if plps and rid in plps else None
-        if upd.new_token_ids or upd.finished is not None or plp is not None:
-            out.append(core_output(req, upd.new_token_ids, lps.get(rid) if lps else None, plp))
-    return out
-
-
-__all__ = ["EngineCoreOutput", "core_output", "core_outputs"]
+__all__ = ["EngineCoreOutput", "core_output"]
