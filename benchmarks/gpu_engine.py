@@ -12,7 +12,8 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            over N decode steps (engine_core_step with output processing on a thread
            beside it, as LLM.generate runs them; async scheduling on; with
            --num-scheduler-steps k, about N / k engine steps of k decode steps each), the share
-           of engine steps that used a step dispatched ahead (stats().num_async_steps_used), the
+           of engine steps that used a step dispatched ahead (stats().num_async_steps_used) and
+           of those the steady batch's fast path took (num_async_steps_steady), the
            engine thread's CPU time per decode step (stats().host_cpu_seconds) and output
            processing's apart (output_cpu_seconds: the output thread), the device-only step
            (runner.forward, the step program without the LM head and the sampler, as the
@@ -116,7 +117,7 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
     fewer with multi-step decode; inside the context `around()`: a profiler trace), then
     abort them; returns (seconds, the share of engine steps that used a step dispatched
     ahead, the engine thread's CPU ms per decode step, engine steps, output processing's
-    CPU ms per decode step). The timed steps run as LLM.generate runs them: output
+    CPU ms per decode step, the share of engine steps the steady batch's fast path took). The timed steps run as LLM.generate runs them: output
     processing on a thread beside the engine's (jaxkv/engine/output_pipeline.py)."""
     from jaxkv import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -141,12 +142,13 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
         raise error
     after = engine.stats()
     used = after.num_async_steps_used - before.num_async_steps_used
+    steady = after.num_async_steps_steady - before.num_async_steps_steady
     host_ms = 1e3 * (after.host_cpu_seconds - before.host_cpu_seconds) / n
     output_ms = 1e3 * (after.output_cpu_seconds - before.output_cpu_seconds) / n
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return dt, used / steps, host_ms, steps, output_ms
+    return dt, used / steps, host_ms, steps, output_ms, steady / steps
 
 
 def decode_engine(folder: str, p: dict, backend: str):
@@ -174,11 +176,12 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
     runner.launch_ahead = launch
     ps = prompts(np.random.default_rng(b), b, p["prompt_len"], cfg["vocab_size"])
     steady_decode(llm.llm_engine, ps, 2, "warm", most)  # the sampler's programs compile here
-    dt, used, host_ms, steps, output_ms = steady_decode(llm.llm_engine, ps, n, "run", most)
+    dt, used, host_ms, steps, output_ms, steady = steady_decode(llm.llm_engine, ps, n, "run", most)
     context = min(p["prompt_len"] + 32, llm.llm_engine.max_model_len - 1)  # the 12-04 probe's 160
     step_ms, dispatch_ms = device_step(llm, b, context, p["reps"], cfg["vocab_size"])
     rows.add(stage="decode", batch=b, engine_ms_per_step=round(1e3 * dt / n, 3),
              tok_per_s=round(b * n / dt, 1), steps_dispatched_ahead=round(used, 3),
+             steps_steady=round(steady, 3),
              host_cpu_ms_per_step=round(host_ms, 3), output_cpu_ms_per_step=round(output_ms, 3),
              num_scheduler_steps=p["k"], engine_steps=steps,
              launched=launch and runner.launcher is not None,

@@ -27,7 +27,9 @@ def test_the_dry_run_writes_every_stage(tmp_path):
     assert by["decode"][-1]["engine_steps"] < by["decode"][3]["engine_steps"]  # 4 tokens a step
     for r in by["decode"]:
         assert r["engine_ms_per_step"] > 0 and r["device_step_ms"] > 0 and r["dispatch_ms"] > 0
-        assert 0 <= r["steps_dispatched_ahead"] <= 1
+        assert 0 <= r["steps_steady"] <= r["steps_dispatched_ahead"] <= 1
+    single = [r for r in by["decode"] if r["num_scheduler_steps"] == 1]
+    assert all(r["steps_steady"] > 0.5 for r in single)  # the steady batch's fast path
     assert by["trace"][0]["gpu_idle_share"] is None  # no GPU events on the CPU
     assert by["warmup"][0]["programs"] > 0 and by["offline"][0]["output_tok_per_s"] > 0
     mem = by["memory"]  # every step program: the pool aliased, no pool-sized temporary
