@@ -73,13 +73,7 @@ class LoggingStatLogger:
         if stats.moe_load_imbalance is not None:
             line += f", MoE load imbalance: {stats.moe_load_imbalance:.2f}"
         if stats.async_scheduling:
-            d_used = stats.num_async_steps_used - prev.num_async_steps_used
-            d_all = d_used + stats.num_async_steps_discarded - prev.num_async_steps_discarded
-            line += (f", Async steps used: {d_used}/{d_all}"
-                     f" (steady: {stats.num_async_steps_steady - prev.num_async_steps_steady}")
-            if stats.num_launched_steps:
-                line += f", launched: {stats.num_launched_steps - prev.num_launched_steps}"
-            line += ")"
+            line += self._async_part(stats, prev)
         if stats.num_scheduler_steps > 1:
             line += f", Multi-steps: {stats.num_multi_steps - prev.num_multi_steps}/{d_steps}"
         d_so = stats.num_structured_output_requests - prev.num_structured_output_requests
@@ -98,6 +92,17 @@ class LoggingStatLogger:
             logger.info(spec)
             line += "\n" + spec
         return line
+
+    @staticmethod
+    def _async_part(stats, prev) -> str:
+        """", Async steps used: used/all (steady: n, launched: m)" over the interval."""
+        d_used = stats.num_async_steps_used - prev.num_async_steps_used
+        d_all = d_used + stats.num_async_steps_discarded - prev.num_async_steps_discarded
+        part = (f", Async steps used: {d_used}/{d_all}"
+                f" (steady: {stats.num_async_steps_steady - prev.num_async_steps_steady}")
+        if stats.num_launched_steps:
+            part += f", launched: {stats.num_launched_steps - prev.num_launched_steps}"
+        return part + ")"
 
     @staticmethod
     def _spec_line(stats, prev, dt) -> str | None:
