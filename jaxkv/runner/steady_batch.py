@@ -29,8 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxkv.runner.lookahead import same_blocks
-from jaxkv.sampling import sampler as smp
-from jaxkv.sampling.rows import sampler_mode
+from jaxkv.sampling.fused_sampling import mode_of
 
 # The fields that must agree row by row, and those every row of a plain decode has: equal to
 # _PLAIN_ROW, and None (a grammar bitmask, the token history for penalties). One C-level pass
@@ -67,13 +66,13 @@ class SteadyBatch:
     params: tuple
     blocks: tuple
     si: object
-    source: list | None = None
+    source: tuple | None = None
     source_rows: list[int] | None = None  # each row's row in the step before (its sampled token)
     tokens: tuple | None = None
     max_tokens: np.ndarray | None = None  # int64 [m]: each row's max_tokens (made when needed)
 
     @classmethod
-    def of(cls, predicted, si, source=None) -> SteadyBatch | None:
+    def of(cls, predicted, si) -> SteadyBatch | None:
         """The batch of a step run ahead of ScheduledRequests `predicted` with StepInput
         `si`; None unless every row is a plain decode whose program samples it."""
         if si.sampling is None or not predicted or int(si.sample_mode[0]) == 0:
@@ -84,7 +83,7 @@ class SteadyBatch:
         if any(p.logprobs is not None or p.has_penalties or p.has_logits_filters
                or getattr(p, "structured_outputs", None) is not None for p in ps):
             return None
-        return cls(ids, pos, out, seeds, idx, ps, blocks, si, source)
+        return cls(ids, pos, out, seeds, idx, ps, blocks, si)
 
     def matches(self, scheduled) -> tuple[list[int], tuple] | None:
         """Whether the scheduler's step `scheduled` (ScheduledRequests) asks exactly what
@@ -150,5 +149,4 @@ class SteadyBatch:
         dropped."""
         if len(keep) == len(self.ids):
             return self.si.sample_mode
-        mode = sampler_mode([self.params[i] for i in keep.tolist()])
-        return np.array([1 + smp.MODES.index(mode)], np.int32)
+        return mode_of([self.params[i] for i in keep.tolist()])

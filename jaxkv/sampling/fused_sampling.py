@@ -69,8 +69,12 @@ def spans(scheduled) -> list[Span]:
 def mode_index(spans_: list[Span]) -> np.ndarray:
     """StepInput.sample_mode of a fused step: int32 [1], 1 + the index in sampler.MODES of
     the mode the separate sampler would run for these rows."""
-    mode = sampler_mode([x.sched.sampling_params for x in spans_])
-    return np.array([1 + smp.MODES.index(mode)], np.int32)
+    return mode_of([x.sched.sampling_params for x in spans_])
+
+
+def mode_of(params) -> np.ndarray:
+    """StepInput.sample_mode (int32 [1]) of sampled rows with SamplingParams `params`."""
+    return np.array([1 + smp.MODES.index(sampler_mode(params))], np.int32)
 
 
 def with_sampling(si, spans_: list[Span]):
