@@ -71,10 +71,12 @@ from jaxkv.engine.output_pipeline import OutputPipeline
 # cut keeps the earlier stages) and the CPU dry run's (token_buckets None: the defaults).
 FULL = dict(batches=[1, 32, 128, 256], prompt_len=128, decode_tokens=32, reps=30,
             kv="24GiB", offline_requests=400, serving_requests=100, serving_rate=20.0,
-            max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None, k=1, multi_k=4)
+            max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None, k=1, multi_k=4,
+            repetition_penalty=1.0)
 DRY = dict(batches=[1, 4], prompt_len=8, decode_tokens=4, reps=3, kv="32MiB",
            offline_requests=12, serving_requests=6, serving_rate=50.0, max_num_seqs=8,
-           max_model_len=256, trace_steps=4, token_buckets=(4, 32), k=1, multi_k=4)
+           max_model_len=256, trace_steps=4, token_buckets=(4, 32), k=1, multi_k=4,
+           repetition_penalty=1.0)
 
 
 def percentile(xs, q: float):
@@ -110,7 +112,7 @@ def device_step(llm, batch: int, context: int, reps: int, vocab: int) -> tuple[f
 
 
 def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
-                  around=contextlib.nullcontext) -> tuple[float, float, float, int]:
+                  around=contextlib.nullcontext, repetition_penalty: float = 1.0) -> tuple:
     """Add `ps` (each may write `max_tokens`, more than the steps timed: none finishes while
     timed), step until every one has its first token (prefill done: a steady batch), time
     engine steps until every one has `n` more tokens (n decode steps: n engine steps, or
@@ -118,9 +120,11 @@ def steady_decode(engine, ps, n: int, tag: str, max_tokens: int,
     abort them; returns (seconds, the share of engine steps that used a step dispatched
     ahead, the engine thread's CPU ms per decode step, engine steps, output processing's
     CPU ms per decode step, the share of engine steps the steady batch's fast path took). The timed steps run as LLM.generate runs them: output
-    processing on a thread beside the engine's (jaxkv/engine/output_pipeline.py)."""
+    processing on a thread beside the engine's (jaxkv/engine/output_pipeline.py). Greedy,
+    with `repetition_penalty` (1: off; else every row reads its token history)."""
     from jaxkv import SamplingParams
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                        repetition_penalty=repetition_penalty)
     ids = [f"{tag}{i}" for i in range(len(ps))]
     for rid, x in zip(ids, ps):
         engine.add_request(rid, x, sp)
@@ -175,15 +179,17 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
     runner, n = llm.llm_engine.runner, p["decode_tokens"]
     runner.launch_ahead = launch
     ps = prompts(np.random.default_rng(b), b, p["prompt_len"], cfg["vocab_size"])
-    steady_decode(llm.llm_engine, ps, 2, "warm", most)  # the sampler's programs compile here
-    dt, used, host_ms, steps, output_ms, steady = steady_decode(llm.llm_engine, ps, n, "run", most)
+    rep = p["repetition_penalty"]
+    steady_decode(llm.llm_engine, ps, 2, "warm", most, repetition_penalty=rep)  # the sampler's programs compile here
+    dt, used, host_ms, steps, output_ms, steady = steady_decode(llm.llm_engine, ps, n, "run", most,
+                                                                repetition_penalty=rep)
     context = min(p["prompt_len"] + 32, llm.llm_engine.max_model_len - 1)  # the 12-04 probe's 160
     step_ms, dispatch_ms = device_step(llm, b, context, p["reps"], cfg["vocab_size"])
     rows.add(stage="decode", batch=b, engine_ms_per_step=round(1e3 * dt / n, 3),
              tok_per_s=round(b * n / dt, 1), steps_dispatched_ahead=round(used, 3),
              steps_steady=round(steady, 3),
              host_cpu_ms_per_step=round(host_ms, 3), output_cpu_ms_per_step=round(output_ms, 3),
-             num_scheduler_steps=p["k"], engine_steps=steps,
+             num_scheduler_steps=p["k"], engine_steps=steps, repetition_penalty=rep,
              launched=launch and runner.launcher is not None,
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), device=str(jax.devices()[0]))
@@ -381,10 +387,13 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-cache-memory-bytes", help="each engine's KV pool (default 24GiB)")
     ap.add_argument("--num-scheduler-steps", type=int, default=1,
                     help="the decode stage's multi-step decode k (jaxkv/runner/multi_step.py)")
+    ap.add_argument("--repetition-penalty", type=float,
+                    help="the decode stage's rows sample with it (1: off; else each reads its history)")
     a = ap.parse_args(argv)
     p, backend = (DRY, "pallas") if a.cpu_dry_run else (FULL, "auto")
     given = (("batches", a.batches), ("decode_tokens", a.decode_tokens),
-             ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes), ("k", a.num_scheduler_steps))
+             ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes), ("k", a.num_scheduler_steps),
+             ("repetition_penalty", a.repetition_penalty))
     p = {**p, **{k: v for k, v in given if v is not None}}
     backend = a.attention_backend or backend
     os.environ.setdefault("JAXKV_COMPILATION_CACHE", "0")  # the warmup row: a cold start

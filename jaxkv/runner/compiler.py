@@ -97,8 +97,8 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
                 for bitmask in (None, mask):  # free rows; structured outputs' masked rows
                     if stopped():
                         return False
-                    programs.sample.lower(params, abstract(rows_out, tp), s_arr, None, bitmask,
-                                          mode=mode, num_logprobs=0).compile()
+                    programs.sample.lower(params, abstract(rows_out, tp), s_arr, None, bitmask, None,
+                                          mode=mode, num_logprobs=0).compile()  # (as called)
             programs.sampler_rows.add(rs)
     return True
 

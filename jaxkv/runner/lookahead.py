@@ -19,13 +19,16 @@ that position (or, if the block went to another request, before that request rea
 step run ahead precedes every later program on the device).
 
 A sequence is predicted only where the next step's inputs do not depend on this step's token
-on the host: no penalties that read the token history (repetition, presence, frequency), no
-bad_words, no grammar, no drafts (speculative decoding), no prompt logprobs; its next position
-must lie in a block it already holds. One that ends by length now (max_tokens, max_model_len)
-is left out of the prediction. A step is run ahead when every sequence of the step sampled and
-each is predicted or ends by length: not after a step with a prompt chunk that samples
-nothing, nor from a step after which some sequence's next token needs a new block that its
-lookahead slot did not give it, nor while any sequence has such penalties.
+on the host: no bad_words, no grammar, no drafts (speculative decoding), no prompt logprobs;
+its next position must lie in a block it already holds. The penalties that read the token
+history (repetition, presence, frequency) are predicted too: their history is the host's
+but for its last token, which the sampler takes on the device from this step's sampled
+tokens (RowSampler.dispatch's pending, sampler.with_pending). One that ends by length now
+(max_tokens, max_model_len) is left out of the prediction. A step is run ahead when every
+sequence of the step sampled and each is predicted or ends by length: not after a step with
+a prompt chunk that samples nothing, nor from a step after which some sequence's next token
+needs a new block that its lookahead slot did not give it, nor while any sequence has
+bad_words, a grammar or drafts.
 
 Multi-step decode (jaxkv/runner/multi_step.py, num_scheduler_steps k > 1) is predicted the
 same way: each sequence goes on from its last sampled token at the position after its last
@@ -75,23 +78,26 @@ class Ahead:
 
 def _host_free(s: ScheduledRequest) -> bool:
     """Whether `s` samples (one token, or one per step of a multi-step decode) and its next
-    step's inputs do not depend on those tokens on the host (no history penalties,
-    bad_words, grammar, drafts or prompt logprobs)."""
+    step's inputs do not depend on those tokens on the host (no bad_words, grammar, drafts
+    or prompt logprobs; the penalties' token history takes its last token on the device)."""
     p = s.sampling_params
-    return (s.sample and not s.spec_token_ids and s.prompt_token_ids is None
-            and s.output_token_ids is None and s.grammar_bitmask is None
+    return (s.sample and not s.spec_token_ids and s.grammar_bitmask is None
             and not s.prompt_logprob_targets and getattr(p, "structured_outputs", None) is None
-            and not getattr(p, "bad_words", None) and not p.has_penalties)
+            and not getattr(p, "bad_words", None))
 
 
 def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
     """Whether the scheduler's `s` asks exactly what the prediction `q` computed (the cheap
-    comparisons first: this runs per sequence per step)."""
+    comparisons first: this runs per sequence per step). A penalty's token history is the
+    request's own list (Scheduler._describe hands it over, not a copy), which only grows:
+    the same list with num_output_tokens equal holds the history q's sampler read, the last
+    token being the one it took on the device."""
     return (s.num_computed_tokens == q.num_computed_tokens and s.token_ids == q.token_ids
             and s.sampling_params is q.sampling_params and s.request_id == q.request_id
             and s.num_output_tokens == q.num_output_tokens and s.num_steps == q.num_steps
             and s.seed == q.seed and s.sample_index == q.sample_index
             and s.min_tokens_banned_ids == q.min_tokens_banned_ids and _host_free(s)
+            and s.output_token_ids is q.output_token_ids and s.prompt_token_ids is q.prompt_token_ids
             and same_blocks(s.block_ids, q.block_ids))
 
 
@@ -152,9 +158,10 @@ def multi_steps(predicted: list[ScheduledRequest], block_size: int, max_model_le
 
 def _plain(q: ScheduledRequest) -> bool:
     """jaxkv.core.multi_step.plain_decode of the sequence `q` predicts (its host-free checks
-    already passed): no logprobs, logits filters or min_tokens ban."""
+    already passed): no logprobs, penalties, logits filters or min_tokens ban."""
     p = q.sampling_params
-    return p.logprobs is None and not p.has_logits_filters and q.num_output_tokens >= p.min_tokens
+    return (p.logprobs is None and not p.has_penalties and not p.has_logits_filters
+            and q.num_output_tokens >= p.min_tokens)
 
 
 def ends_by_length(s: ScheduledRequest, max_model_len: int) -> bool:

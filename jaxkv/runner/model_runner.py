@@ -311,15 +311,16 @@ class ModelRunner(RunAhead):
             self._ahead.fill_tokens(res.sampled)
         return res
 
-    def _dispatch(self, scheduled, si: StepInput, launch: bool = False):
+    def _dispatch(self, scheduled, si: StepInput, launch: bool = False, pending=None):
         """(hidden or None, spans, sampled, the StepInput dispatched: `si`, with the
         sampler's arrays where its program samples) of step `si` of `scheduled`: a multi-step
         decode's program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py),
         else _step_and_sample. `launch`: a fused step or a k-step program is dispatched by the
-        launcher's thread (sampled is then a Future of its output)."""
+        launcher's thread (sampled is then a Future of its output). `pending`: a step run
+        ahead's last output tokens, on the device (RowSampler.dispatch)."""
         launch = launch and self.launcher is not None and self.launch_ahead
         if self.multi_step is None or not self.multi_step.wanted(scheduled):
-            return self._step_and_sample(scheduled, si, launch)
+            return self._step_and_sample(scheduled, si, launch, pending)
         spans, si, plan = self.multi_step.prepare(scheduled, si)
         if launch:
             return None, spans, self.launcher.launch(self._multi_step_call, si, plan), si
@@ -332,11 +333,12 @@ class ModelRunner(RunAhead):
         self._count_experts(load)
         return sampled
 
-    def _step_and_sample(self, scheduled, si: StepInput, launch: bool = False):
+    def _step_and_sample(self, scheduled, si: StepInput, launch: bool = False, pending=None):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
         the sampler's output still on the device (None when nothing samples), the StepInput
         dispatched). A plain step samples inside its own program
-        (jaxkv/sampling/fused_sampling.py)."""
+        (jaxkv/sampling/fused_sampling.py); `pending` goes to the sampler's
+        (RowSampler.dispatch)."""
         fused = si.sampling is not None and fs.fusable(scheduled, si.num_tokens,
                                                        self.fused_sampling_max_tokens)
         if fused:
@@ -351,7 +353,8 @@ class ModelRunner(RunAhead):
         with self.compiles:
             spans, idx = rows.layout(scheduled, si.query_start_loc)
             sampled = (self.sampler.dispatch(self.params, hidden, spans, idx,
-                                              sample_rows(si.num_tokens, len(idx), self.max_num_seqs))
+                                              sample_rows(si.num_tokens, len(idx), self.max_num_seqs),
+                                              pending)
                        if spans else None)
         return hidden, spans, sampled, si
 

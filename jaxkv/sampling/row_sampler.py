@@ -19,11 +19,14 @@ from jaxkv.sampling import sampler as smp
 def sample_body(logits, cpu_matmul: bool, token_rows: int = 0):
     """The sampler program's function, to be jitted (static: mode, num_logprobs):
     (params, hidden_rows float [R, hidden_size], SamplingArrays, penalty arrays or None,
-    bitmask int32 [R, ceil(V / 32)] or None) -> SamplerOutput. `logits(params, hidden)` is
+    bitmask int32 [R, ceil(V / 32)] or None, pending: None or the arguments of
+    sampler.with_pending after the penalty arrays) -> SamplerOutput. `logits(params, hidden)` is
     the model's LM head; `cpu_matmul`: the argmax through the C++ kernel; token_ids padded
     to `token_rows` rows when R is fewer (so a step run ahead reads them whatever R was:
     StepInput.prev_sampled)."""
-    def _sample_rows(params, hidden_rows, s, pen, bitmask, *, mode, num_logprobs):
+    def _sample_rows(params, hidden_rows, s, pen, bitmask, pending=None, *, mode, num_logprobs):
+        if pending is not None:
+            pen = smp.with_pending(pen, *pending)
         o = smp.sample(logits(params, hidden_rows), s, pen, bitmask, mode=mode,
                        num_logprobs=num_logprobs, cpu=cpu_matmul)
         return smp.SamplerOutput(smp.pad_rows(o.token_ids, token_rows), *o[1:])
@@ -51,19 +54,25 @@ class RowSampler:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.max_logprobs = max_logprobs
 
-    def dispatch(self, params, hidden, spans, idx, r: int):
+    def dispatch(self, params, hidden, spans, idx, r: int, pending=None):
         """Dispatch the sampling of rows `idx` of `hidden` (`spans` their sequences,
         jaxkv.sampling.rows.Span) padded to `r` sampler rows; returns the sampler's output,
-        still on the device."""
+        still on the device. `pending`: for a step run ahead (async scheduling), (prev0,
+        prev1, sources): the step before's sampled tokens on the device and each span's index
+        in them; each span's last output token is that one (rows.penalty_arrays' pending)."""
         sp = [x.sched.sampling_params for x in spans]
         mode = rows.sampler_mode(sp)
         want_lp = any(p.logprobs is not None for p in sp)
         s_arr = rows.sampling_arrays(spans, r)
-        pen = (rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len)
-               if any(rows.needs_penalties(x.sched) for x in spans) else None)
+        pen = fill = None
+        if any(rows.needs_penalties(x.sched) for x in spans):
+            pen = rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len,
+                                      pending=pending is not None)
+            if pending is not None:
+                fill = (*pending[:2], *rows.pending_fill(spans, r, pen.output_ids.shape[1], pending[2]))
         h = self.programs.gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
         return self.programs.sample(params, h, s_arr, pen,
-                                    rows.grammar_bitmask(spans, r, self.vocab_size), mode=mode,
+                                    rows.grammar_bitmask(spans, r, self.vocab_size), fill, mode=mode,
                                     num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
 
     def collect(self, res, sampled, spans) -> None:

@@ -85,16 +85,21 @@ def sampling_arrays(spans: list[Span], r: int) -> smp.SamplingArrays:
     return smp.SamplingArrays(temp, top_p, top_k, min_p, seed, idx, step, seed_hi)
 
 
-def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: int) -> smp.PenaltyArrays:
+def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: int,
+                   pending: bool = False) -> smp.PenaltyArrays:
     """Penalty parameters [r], token ids [r, W] (padded with vocab_size, which the sampler's
     scatters drop), bans, logit_bias and allowed_token_ids per row. W holds the step's longest
     prompt or output (drafts included): 512, then x8 (4096, ...), capped at max_model_len; the
-    other widths are 8, 64, 512, ... Each width is a sampler program, so they are few."""
+    other widths are 8, 64, 512, ... Each width is a sampler program, so they are few.
+    `pending`: the spans are a step run ahead (one row each, no bad words), whose last output
+    token (of num_output_tokens) is not on the host yet: each row's output ids are the others,
+    that column left as padding for the device to fill (pending_fill, sampler.with_pending)."""
     v = vocab_size
     rep = np.ones(r, np.float32)
     pres = np.zeros(r, np.float32)
     freq = np.zeros(r, np.float32)
     longest = max((max(len(sp_.sched.prompt_token_ids),
+                       sp_.sched.num_output_tokens if pending else
                        len(sp_.sched.output_token_ids) + sp_.count - 1)
                    for sp_ in spans if sp_.sched.prompt_token_ids is not None), default=0)
     width = min(max_model_len, _width(longest, PENALTY_MIN_WIDTH))
@@ -111,7 +116,8 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             out_ids = None
             if s.prompt_token_ids is not None:
-                out_ids = list(s.output_token_ids) + s.spec_token_ids[:j]
+                out_ids = (s.output_token_ids[:s.num_output_tokens - 1] if pending
+                           else list(s.output_token_ids) + s.spec_token_ids[:j])
                 prompt[i, :len(s.prompt_token_ids)] = s.prompt_token_ids
                 output[i, :len(out_ids)] = out_ids
             # The min_tokens ban (the scheduler lists the ids while too few outputs exist).
@@ -127,6 +133,20 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
     has_allowed = np.array([bool(a) for a in allowed], bool)
     return smp.PenaltyArrays(rep, pres, freq, prompt, output, banned, bias_ids, bias_values,
                              allowed_ids, has_allowed)
+
+
+def pending_fill(spans: list[Span], r: int, width: int, sources) -> tuple[np.ndarray, np.ndarray]:
+    """For sampler.with_pending, of a step run ahead (penalty_arrays' pending): (sources
+    int32 [r]: span i's row takes its token from index sources[i] of the step before's sampled
+    tokens; columns int32 [r]: the column of that token in the row's output ids, num_output_tokens
+    - 1, or `width` (nothing written) for a row without history or a padding row)."""
+    src = np.zeros(r, np.int32)
+    col = np.full(r, width, np.int32)
+    for x, i in zip(spans, sources):
+        src[x.row] = i
+        if x.sched.output_token_ids is not None:
+            col[x.row] = x.sched.num_output_tokens - 1
+    return src, col
 
 
 def grammar_bitmask(spans: list[Span], r: int, vocab_size: int) -> np.ndarray | None:

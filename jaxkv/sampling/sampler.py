@@ -68,6 +68,19 @@ class PenaltyArrays(NamedTuple):
     has_allowed: jax.Array    # bool [R]: the row samples only among its allowed_ids
 
 
+def with_pending(p: PenaltyArrays, prev0: jax.Array, prev1: jax.Array, source: jax.Array,
+                 column: jax.Array) -> PenaltyArrays:
+    """`p` with the output token each row sampled in the step before, still on the device,
+    written into its output_ids (async scheduling's step run ahead, jaxkv/runner/lookahead.py:
+    the host does not know that token yet). prev0, prev1: int32 [P] sampled tokens of the
+    step before (its one or two sampler outputs); source int32 [R]: each row's index in the
+    two concatenated; column int32 [R]: where it goes in the row (W or more: a row without
+    history, nothing written)."""
+    tok = jnp.concatenate([prev0, prev1])[source]
+    rows = jnp.arange(tok.shape[0])
+    return p._replace(output_ids=p.output_ids.at[rows, column].set(tok, mode="drop"))
+
+
 def pad_rows(tokens: jax.Array, n: int) -> jax.Array:
     """int32 tokens [R] padded with zeros to [n] when R < n (else as they are)."""
     return jnp.pad(tokens.astype(jnp.int32), (0, max(n - tokens.shape[0], 0)))

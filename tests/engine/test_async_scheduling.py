@@ -117,6 +117,31 @@ def test_llm_generate_with_and_without_async_scheduling(llm):
     assert [len(o.outputs[0].token_ids) for o in got] == [5, 17, 33, 40]
 
 
+def test_penalty_rows_run_ahead_and_equal_synchronous_ones(llm):
+    """Repetition, frequency and presence penalties read the token history, whose last token
+    the step run ahead takes on the device: their steady decodes run ahead too, with the
+    synchronous engine's tokens (greedy and seeded random, beside a plain row)."""
+    runner = llm.llm_engine.runner
+    sp = [SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=30, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=11, frequency_penalty=1.2, max_tokens=26, ignore_eos=True),
+          SamplingParams(temperature=0, presence_penalty=1.5, logprobs=1, max_tokens=24, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)]
+    saved = runner.async_scheduling
+    try:
+        runner.async_scheduling = False
+        ref = llm.generate(PROMPTS[:4], sp, use_tqdm=False)
+        runner.async_scheduling = True
+        n0 = runner.num_ahead_used
+        got = llm.generate(PROMPTS[:4], sp, use_tqdm=False)
+        assert runner.num_ahead_used - n0 >= 20
+    finally:
+        runner.async_scheduling = saved
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    plain = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                         use_tqdm=False)  # (the penalty changed the tokens: it was applied)
+    assert got[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
+
+
 def test_switching_async_scheduling_off_mid_decode_stops_running_ahead(llm):
     """The run-time switch holds on the steady batch's fast path too: once off, the step run
     ahead is taken and none follows it."""
@@ -166,9 +191,7 @@ def test_predict_the_next_decode():
 
 
 @pytest.mark.parametrize("change", [
-    dict(sample=False), dict(spec_token_ids=[1, 2]), dict(prompt_token_ids=[1, 2]),
-    dict(output_token_ids=[1]),
-    dict(sampling_params=SamplingParams(temperature=0, max_tokens=50, presence_penalty=0.5)),
+    dict(sample=False), dict(spec_token_ids=[1, 2]),
     dict(sampling_params=SamplingParams(temperature=0, max_tokens=50, bad_words=["x"])),
     dict(prompt_logprob_targets=[4]), dict(grammar_bitmask=np.zeros(3, np.int32)),
     dict(num_computed_tokens=31),  # the next position (32) needs a block not yet held
@@ -196,9 +219,25 @@ def test_plan_leaves_out_sequences_ending_by_length_and_indexes_both_outputs():
     assert [q.request_id for q in la.plan([a, c], sources, 16, 22, rows=8)[0]] == ["c"]
     assert la.plan([b], sources, 16, 1024, rows=8) is None  # nothing goes on
     assert la.plan([a, c], {"a": (0, 3)}, 16, 1024, rows=8) is None  # c sampled nothing
-    pen = _sched(request_id="c", sampling_params=SamplingParams(temperature=0, max_tokens=50,
-                                                                repetition_penalty=1.2))
-    assert la.plan([a, pen], sources, 16, 1024, rows=8) is None  # the host decides c's next
+    bad = _sched(request_id="c", sampling_params=SamplingParams(temperature=0, max_tokens=50,
+                                                                bad_words=["x"]))
+    assert la.plan([a, bad], sources, 16, 1024, rows=8) is None  # the host decides c's next
+
+
+def test_a_penalty_is_predicted_and_matched_by_its_own_history_list():
+    """The scheduler hands a penalty row its request's own history lists; the prediction
+    keeps them, and only the same lists (grown by the sampled token) match it."""
+    sp = SamplingParams(temperature=0, max_tokens=50, frequency_penalty=0.5)
+    prompt, output = [7, 8, 9], [1, 2, 3, 4]
+    s = _sched(sampling_params=sp, prompt_token_ids=prompt, output_token_ids=output)
+    q = la.predict(s, 16, 1024)
+    assert q is not None and q.output_token_ids is output and q.prompt_token_ids is prompt
+    q.token_ids = [9]
+    output.append(9)  # update_from_output appends the sampled token to the request's list
+    nxt = dataclasses.replace(s, token_ids=[9], num_computed_tokens=21, num_output_tokens=5)
+    assert la.same_step(nxt, q)
+    assert not la.same_step(dataclasses.replace(nxt, output_token_ids=list(output)), q)
+    assert not la.same_step(dataclasses.replace(nxt, prompt_token_ids=list(prompt)), q)
 
 
 def test_min_tokens_ban_follows_the_output_count():

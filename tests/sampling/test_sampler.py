@@ -1,6 +1,7 @@
 """The on-device sampler on small logits: penalties against a numpy reference, filtering,
 seeds, and logprob ranks."""
 
+import dataclasses
 import functools
 
 import jax
@@ -245,3 +246,34 @@ def test_argmax_tokens_is_jnp_argmax_on_ties_infinities_and_nans(cpu):
         y[rng.random(y.shape) < 0.02] = np.nan
         np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(y))),
                                       np.asarray(jnp.argmax(jnp.asarray(y), axis=-1)), f"{r}x{v}")
+
+
+def test_a_pending_token_filled_on_the_device_equals_the_full_history():
+    """A step run ahead (async scheduling) knows each row's history but its last output token,
+    which is still on the device: penalty_arrays(pending) + pending_fill + with_pending must
+    give the arrays of the full history, and with them the same penalized logits."""
+    from jaxkv.core.scheduler_output import ScheduledRequest
+    from jaxkv.sampling import rows
+    from jaxkv.sampling.params import SamplingParams
+
+    rng = np.random.default_rng(0)
+    v, sched, full, last = 600, [], [], []
+    for i, n_out in enumerate((1, 5, 513, 0)):  # 512 known + 1: the wider width
+        sp = SamplingParams(temperature=0, max_tokens=900, repetition_penalty=1.3,
+                            frequency_penalty=0.4, presence_penalty=0.2) if n_out else SamplingParams(temperature=0)
+        out = rng.integers(0, v, n_out).tolist()
+        hist = dict(prompt_token_ids=[3, 4], output_token_ids=out[:-1]) if n_out else {}
+        sched.append(ScheduledRequest(str(i), [0], 10, [1], True, sp, 0, 0, max(n_out, 1), **hist))
+        full.append(dataclasses.replace(sched[-1], output_token_ids=out) if n_out else sched[-1])
+        last.append(out[-1] if n_out else 0)
+    spans = [rows.Span(s, i, 1) for i, s in enumerate(sched)]
+    ref = rows.penalty_arrays([rows.Span(s, i, 1) for i, s in enumerate(full)], 6, v, 2048)
+    pen = rows.penalty_arrays(spans, 6, v, 2048, pending=True)
+    assert pen.output_ids.shape == ref.output_ids.shape == (6, 2048)  # past 512: max_model_len
+    prev = np.array([0, 0] + last[::-1], np.int32)  # the tokens, in another order, as a sampler output
+    src, col = rows.pending_fill(spans, 6, pen.output_ids.shape[1], [5, 4, 3, 2])
+    got = smp.with_pending(jax.tree.map(jnp.asarray, pen), jnp.asarray(prev[:3]), jnp.asarray(prev[3:]), src, col)
+    np.testing.assert_array_equal(np.asarray(got.output_ids), ref.output_ids)
+    logits = jnp.asarray(rng.normal(size=(6, v)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(smp.apply_penalties(logits, got)),
+                                  np.asarray(smp.apply_penalties(logits, ref)))
