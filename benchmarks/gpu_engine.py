@@ -261,14 +261,18 @@ def offline_row(llm, cfg: dict, p: dict, rows: Rows, lengths: tuple) -> None:
           for k in rng.integers(lo, hi + 1, n)]
     sps = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(k))
            for k in rng.integers(lo, out_hi + 1, n)]
-    t0 = time.perf_counter()
+    before, t0 = llm.stats(), time.perf_counter()
     outs = llm.generate(ps, sps, use_tqdm=False)
-    dt = time.perf_counter() - t0
+    dt, after = time.perf_counter() - t0, llm.stats()
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
     in_toks = sum(len(x["prompt_token_ids"]) for x in ps)
+    steps = max(1, after.num_steps - before.num_steps)
     rows.add(stage="offline", requests=n, seconds=round(dt, 2),
              output_tok_per_s=round(out_toks / dt, 1), total_tok_per_s=round((in_toks + out_toks) / dt, 1),
-             preemptions=llm.stats().num_preemptions)
+             preemptions=after.num_preemptions, engine_steps=steps,
+             steps_dispatched_ahead=round((after.num_async_steps_used - before.num_async_steps_used) / steps, 3),
+             steps_steady=round((after.num_async_steps_steady - before.num_async_steps_steady) / steps, 3),
+             host_cpu_ms_per_step=round(1e3 * (after.host_cpu_seconds - before.host_cpu_seconds) / steps, 3))
 
 
 async def _serve(alm, ps, sp, rate: float) -> tuple[list, list]:

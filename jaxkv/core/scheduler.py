@@ -255,7 +255,9 @@ class Scheduler(StepCommit):
                   block_ids: list[int] | None = None) -> ScheduledRequest:
         """The ScheduledRequest of `req` with n tokens (its own, then `draft`'s) and
         num_steps; `block_ids`: its block table as the KV cache manager holds it (copied
-        here; default: looked up)."""
+        here; default: looked up). A history-reading request's prompt and output lists are
+        its own, not copies: async scheduling matches a step run ahead by their identity
+        (jaxkv/runner/lookahead.py same_step)."""
         start, sp, num_output, tokens = (req.num_computed_tokens, req.sampling_params,
                                          len(req.output_token_ids), req.all_token_ids)
         if draft:

@@ -38,8 +38,8 @@ class ScheduledRequest:
     seed: int
     sample_index: int
     num_output_tokens: int
-    prompt_token_ids: list[int] | None = None  # only when penalties need them
-    output_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # only when penalties need them: the
+    output_token_ids: list[int] | None = None   # request's own lists (Scheduler._describe)
     prompt_logprob_targets: list[int] = field(default_factory=list)
     min_tokens_banned_ids: list[int] = field(default_factory=list)  # EOS + stop_token_ids
     spec_token_ids: list[int] = field(default_factory=list)

@@ -28,7 +28,7 @@ tokens (RowSampler.dispatch's pending, sampler.with_pending). One that ends by l
 sequence of the step sampled and each is predicted or ends by length: not after a step with
 a prompt chunk that samples nothing, nor from a step after which some sequence's next token
 needs a new block that its lookahead slot did not give it, nor while any sequence has
-bad_words, a grammar or drafts.
+bad_words, a grammar, drafts or prompt logprobs.
 
 Multi-step decode (jaxkv/runner/multi_step.py, num_scheduler_steps k > 1) is predicted the
 same way: each sequence goes on from its last sampled token at the position after its last
@@ -89,7 +89,8 @@ def _host_free(s: ScheduledRequest) -> bool:
 def same_step(s: ScheduledRequest, q: ScheduledRequest) -> bool:
     """Whether the scheduler's `s` asks exactly what the prediction `q` computed (the cheap
     comparisons first: this runs per sequence per step). A penalty's token history is the
-    request's own list (Scheduler._describe hands it over, not a copy), which only grows:
+    request's own list (Scheduler._describe hands it over, not a copy), which only grows
+    while the request runs (Request.truncate_output cuts it only as the request finishes):
     the same list with num_output_tokens equal holds the history q's sampler read, the last
     token being the one it took on the device."""
     return (s.num_computed_tokens == q.num_computed_tokens and s.token_ids == q.token_ids

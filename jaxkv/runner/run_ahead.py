@@ -121,7 +121,9 @@ class RunAhead:
         si = dataclasses.replace(si, prev_sampled=(arrays[0], arrays[-1]), prev_index=prev_index)
         _, spans, sampled, si = self._dispatch(predicted, si, True, (arrays[0], arrays[-1], index))
         self.num_ahead_dispatched += 1
-        batch = SteadyBatch.of(predicted, si) if self.multi_step is None else None
+        batch = None
+        if self.multi_step is None and si.sampling is not None:  # (the sampler's arrays, if it ran)
+            batch = SteadyBatch.of(predicted, si, self.sampler.last_rows if int(si.sample_mode[0]) == 0 else None)
         return la.Ahead(predicted, spans, sampled, batch)
 
     # ---- the fast path of a steady decode (steady_batch.py) ------------------------------
@@ -138,13 +140,18 @@ class RunAhead:
         self.num_ahead_used += 1
         self.num_ahead_steady += 1
         self._ahead = self._run_ahead_steady(out, ahead, *match)
-        # (np.asarray, not jax.device_get: its tree walk and extra copy cost ~0.2 ms of the
-        # engine thread per step at batch 256 on the 2-core CPU)
-        tokens = np.asarray(ahead.sampled.token_ids)[:len(batch.ids)].tolist()
+        if batch.sampler is not None and batch.sampler.num_logprobs:
+            res = RunnerOutput()  # (the logprobs too: the sampler's reading)
+            self.sampler.collect(res, ahead.sampled, fs.spans(out.scheduled))
+            tokens = [res.sampled[rid][0] for rid in batch.ids]
+        else:  # (np.asarray, not jax.device_get: its tree walk and extra copy cost ~0.2 ms
+            # of the engine thread per step at batch 256 on the 2-core CPU)
+            tokens = np.asarray(ahead.sampled.token_ids)[:len(batch.ids)].tolist()
+            res = RunnerOutput({rid: [t] for rid, t in zip(batch.ids, tokens)})
         if self._ahead is not None:
             nxt = self._ahead.batch
             nxt.tokens = tuple([tokens[i]] for i in nxt.source_rows)
-        return RunnerOutput({rid: [t] for rid, t in zip(batch.ids, tokens)})
+        return res
 
     def _run_ahead_steady(self, out: SchedulerOutput, ahead: la.Ahead, changed: list[int],
                           blocks: tuple) -> la.Ahead | None:
@@ -163,17 +170,29 @@ class RunAhead:
             return None
         if t > min(self.fused_program_max_tokens, self.fused_sampling_max_tokens):
             return None  # its program would not sample: the general path's
-        r, prev = num_rows(t, self.max_num_seqs), ahead.sampled.token_ids
-        si = decode_step_input(pos, tables, (prev, prev), keep,
-                               batch.sampling_rows(keep, num_out, padding_sampling(r)),
-                               batch.sample_mode(keep), block_size=self.block_size, num_tokens=t,
-                               rows=r, max_blocks=self.max_blocks, rope_table=self.rope_table,
+        r, prev, sr = num_rows(t, self.max_num_seqs), ahead.sampled.token_ids, None
+        if batch.sampler is None:  # the step program samples
+            sampling, mode = batch.sampling_rows(keep, num_out, padding_sampling(r)), batch.sample_mode(keep)
+        else:  # the separate sampler, with its arrays carried on
+            sr = self.sampler.carry(batch.sampler, keep, num_out, batch.tokens, r,
+                                    [batch.params[i] for i in keep.tolist()])
+            if sr is None:
+                return None
+            sampling, mode = padding_sampling(r), np.zeros(1, np.int32)
+        si = decode_step_input(pos, tables, (prev, prev), keep, sampling, mode,
+                               block_size=self.block_size, num_tokens=t, rows=r,
+                               max_blocks=self.max_blocks, rope_table=self.rope_table,
                                mark_decode_only=self.mark_decode_only)
-        self.num_fused_sampling_steps += 1
-        sampled = (self.launcher.launch(self._fused_step, si)
-                   if self.launcher is not None and self.launch_ahead else self._fused_step(si))
+        if sr is not None:
+            hidden = self.forward(si)
+            with self.compiles:
+                sampled = self.sampler.call(self.params, hidden, np.arange(len(keep)), sr, (prev, prev))
+        else:
+            self.num_fused_sampling_steps += 1
+            sampled = (self.launcher.launch(self._fused_step, si)
+                       if self.launcher is not None and self.launch_ahead else self._fused_step(si))
         self.num_ahead_dispatched += 1
-        return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, blocks, keep, pos, num_out, si))
+        return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, blocks, keep, pos, num_out, si, sr))
 
     def _predictions(self, ahead: la.Ahead) -> la.Ahead:
         """`ahead` with its predicted ScheduledRequests and spans: made now from its batch's

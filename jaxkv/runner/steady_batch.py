@@ -13,9 +13,14 @@ position + 1, the rows of sequences that end by length now dropped, block table 
 rewritten where the scheduler's block list changed, the sampler's rows carried over with
 their output position + 1.
 
-A batch is kept only for a step run ahead whose every row is a plain decode (one token, fused
-sampling: no logprobs, penalties, logits filters, min_tokens ban, grammar or drafts) without
-multi-step decode. Whatever its checks do not prove (a sequence admitted, preempted,
+A batch is kept only for a step run ahead whose every row decodes one token (no min_tokens
+ban, grammar, drafts or prompt logprobs) without multi-step decode: either every row is
+plain and the step program samples them (fused sampling), or the separate sampler program
+does, with the arrays it was sent (`sampler`, row_sampler.SamplerRows) carried on the same
+way (logprobs, penalties, logit_bias, allowed_token_ids): a penalty's token history is its
+request's own lists, matched by identity (as lookahead.same_step), and its arrays gain one
+column a step, the token read since written where the device wrote it (sampler.with_pending),
+the next one left to the device. Whatever its checks do not prove (a sequence admitted, preempted,
 finished or changed meanwhile) sends the step down the general path, lookahead.Ahead.split,
 whose predictions are then made from `source` (the same lookahead.predict).
 """
@@ -31,22 +36,28 @@ import numpy as np
 from jaxkv.runner.lookahead import same_blocks
 from jaxkv.sampling.fused_sampling import mode_of
 
-# The fields that must agree row by row, and those every row of a plain decode has: equal to
-# _PLAIN_ROW, and None (a grammar bitmask, the token history for penalties). One C-level pass
-# per getter: this runs per sequence per step.
+# The fields that must agree row by row, and those every row of a one-token decode has: equal
+# to _PLAIN_ROW, and no grammar bitmask; the history lists (penalties) must be the batch's
+# own objects. One C-level pass per getter: this runs per sequence per step.
 _ROW = operator.attrgetter("request_id", "num_computed_tokens", "num_output_tokens", "token_ids",
                            "seed", "sample_index", "block_ids", "sampling_params")
 _PLAIN = operator.attrgetter("sample", "num_steps", "min_tokens_banned_ids", "spec_token_ids",
                              "prompt_logprob_targets")
 _PLAIN_ROW = (True, 1, [], [], [])
-_NONE = tuple(map(operator.attrgetter, ("grammar_bitmask", "prompt_token_ids", "output_token_ids")))
+_GRAMMAR = operator.attrgetter("grammar_bitmask")
+_PROMPTS, _OUTPUTS = operator.attrgetter("prompt_token_ids"), operator.attrgetter("output_token_ids")
 
 
 def plain_rows(scheduled) -> bool:
-    """Whether every ScheduledRequest of `scheduled` is a plain decode's one sampled token as
-    far as its own fields tell (its sampling parameters aside)."""
+    """Whether every ScheduledRequest of `scheduled` is a decode's one sampled token without a
+    min_tokens ban or grammar, as far as its own fields tell (its sampling parameters and
+    history lists aside)."""
     return (all(map(_PLAIN_ROW.__eq__, map(_PLAIN, scheduled)))
-            and all(all(map(operator.is_, map(get, scheduled), itertools.repeat(None))) for get in _NONE))
+            and all(map(operator.is_, map(_GRAMMAR, scheduled), itertools.repeat(None))))
+
+
+def _same_objects(a, b) -> bool:
+    return all(map(operator.is_, a, b))
 
 
 @dataclass
@@ -54,8 +65,10 @@ class SteadyBatch:
     """The rows (row i = sequence i) of a plain decode step run ahead. positions: each row's
     query position (its num_computed_tokens); tokens: its input token, [id] each (None until
     the step before has been read); blocks: the block id lists its table rows hold; si: the
-    StepInput dispatched (numpy arrays); source: the ScheduledRequests it was predicted from
-    (one per row, the step before's), from which lookahead.predict makes its
+    StepInput dispatched (numpy arrays); sampler: the separate sampler's arrays
+    (row_sampler.SamplerRows; None: the step program sampled); prompts, outputs: each row's
+    history lists (None without penalties); source: the ScheduledRequests it was predicted
+    from (one per row, the step before's), from which lookahead.predict makes its
     ScheduledRequests when the general path needs them, and source_rows their rows there;
     None when they were given."""
     ids: tuple
@@ -66,24 +79,32 @@ class SteadyBatch:
     params: tuple
     blocks: tuple
     si: object
+    sampler: object = None
+    prompts: tuple = ()
+    outputs: tuple = ()
     source: tuple | None = None
     source_rows: list[int] | None = None  # each row's row in the step before (its sampled token)
     tokens: tuple | None = None
     max_tokens: np.ndarray | None = None  # int64 [m]: each row's max_tokens (made when needed)
 
     @classmethod
-    def of(cls, predicted, si) -> SteadyBatch | None:
+    def of(cls, predicted, si, sampler=None) -> SteadyBatch | None:
         """The batch of a step run ahead of ScheduledRequests `predicted` with StepInput
-        `si`; None unless every row is a plain decode whose program samples it."""
-        if si.sampling is None or not predicted or int(si.sample_mode[0]) == 0:
-            return None
-        if not plain_rows(predicted):
+        `si`, sampled by its program (`sampler` None: every row plain) or by the separate
+        sampler with `sampler` (row_sampler.SamplerRows; no bad_words or grammar); None
+        unless every row decodes one token without a min_tokens ban."""
+        if si.sampling is None or not predicted or not plain_rows(predicted):
             return None
         ids, pos, out, _, seeds, idx, blocks, ps = zip(*map(_ROW, predicted))
-        if any(p.logprobs is not None or p.has_penalties or p.has_logits_filters
-               or getattr(p, "structured_outputs", None) is not None for p in ps):
+        if sampler is None:
+            if int(si.sample_mode[0]) == 0 or any(
+                    p.logprobs is not None or p.has_penalties or p.has_logits_filters
+                    or getattr(p, "structured_outputs", None) is not None for p in ps):
+                return None
+        elif int(si.sample_mode[0]) != 0 or sampler.bitmask is not None or any(p.bad_words for p in ps):
             return None
-        return cls(ids, pos, out, seeds, idx, ps, blocks, si)
+        return cls(ids, pos, out, seeds, idx, ps, blocks, si, sampler,
+                   tuple(map(_PROMPTS, predicted)), tuple(map(_OUTPUTS, predicted)))
 
     def matches(self, scheduled) -> tuple[list[int], tuple] | None:
         """Whether the scheduler's step `scheduled` (ScheduledRequests) asks exactly what
@@ -95,7 +116,9 @@ class SteadyBatch:
         ids, pos, out, toks, seeds, idx, blocks, ps = zip(*map(_ROW, scheduled))
         if (ids != self.ids or pos != self.positions or toks != self.tokens or out != self.num_output
                 or seeds != self.seeds or idx != self.sample_index
-                or not all(map(operator.is_, ps, self.params)) or not plain_rows(scheduled)):
+                or not _same_objects(ps, self.params) or not plain_rows(scheduled)
+                or not _same_objects(map(_OUTPUTS, scheduled), self.outputs)
+                or not _same_objects(map(_PROMPTS, scheduled), self.prompts)):
             return None
         if blocks == self.blocks:
             return [], blocks
@@ -123,20 +146,23 @@ class SteadyBatch:
         keep = np.flatnonzero(~end)
         return keep, pos[keep], out[keep], tables[keep]
 
-    def next_batch(self, scheduled, blocks: tuple, keep, pos, out, si) -> SteadyBatch:
-        """The batch of the step `advance` made (StepInput `si`): rows `keep` of the
-        scheduler's step `scheduled` (its block lists `blocks`)."""
+    def next_batch(self, scheduled, blocks: tuple, keep, pos, out, si, sampler=None) -> SteadyBatch:
+        """The batch of the step `advance` made (StepInput `si`, the separate sampler's arrays
+        `sampler` or None): rows `keep` of the scheduler's step `scheduled` (its block lists
+        `blocks`)."""
         k = keep.tolist()
         pick = (lambda xs: tuple(xs[i] for i in k)) if len(k) < len(self.ids) else tuple
         return SteadyBatch(pick(self.ids), tuple(pos.tolist()), tuple(out.tolist()), pick(self.seeds),
-                           pick(self.sample_index), pick(self.params), pick(blocks), si,
-                           pick(scheduled), k, max_tokens=self.max_tokens[keep])
+                           pick(self.sample_index), pick(self.params), pick(blocks), si, sampler,
+                           pick(self.prompts), pick(self.outputs), pick(scheduled), k,
+                           max_tokens=self.max_tokens[keep])
 
-    def sampling_rows(self, keep, out, padding):
-        """The sampler's arrays of the next step: this step's rows `keep`, output positions
-        `out`, padded as `padding` (sampling_arrays' padding rows [R])."""
+    def sampling_rows(self, keep, out, padding, old=None):
+        """The sampler's arrays of the next step: this step's rows `keep` (of `old`, default
+        the step program's), output positions `out`, padded as `padding` (sampling_arrays'
+        padding rows [R])."""
         n, fields = len(keep), []
-        for pad, old in zip(padding, self.si.sampling):
+        for pad, old in zip(padding, self.si.sampling if old is None else old):
             a = pad.copy()
             a[:n] = old[keep]
             fields.append(a)

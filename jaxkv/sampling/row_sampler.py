@@ -9,6 +9,8 @@ How many rows a step samples is the runner's (its token buckets: jaxkv.runner.bu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import numpy as np
 
@@ -42,6 +44,21 @@ def prompt_logprobs_body(logits):
     return _prompt_logprobs
 
 
+@dataclass
+class SamplerRows:
+    """The host side of one sampler call: `mode` (sampler.MODES) and `num_logprobs` (static),
+    the per-row SamplingArrays [R], PenaltyArrays or None, the grammar bitmask or None, and
+    for a step run ahead whose rows read their history, `source` / `column` (int32 [R],
+    sampler.with_pending's) or None."""
+    mode: str
+    num_logprobs: int
+    sampling: smp.SamplingArrays
+    penalties: smp.PenaltyArrays | None
+    bitmask: np.ndarray | None
+    source: np.ndarray | None = None
+    column: np.ndarray | None = None
+
+
 class RowSampler:
     """Dispatches the sampling of a step's rows and reads the results back.
 
@@ -53,27 +70,77 @@ class RowSampler:
         self.programs = programs
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.max_logprobs = max_logprobs
+        self.last_rows: SamplerRows | None = None  # the arrays of the last dispatch
 
     def dispatch(self, params, hidden, spans, idx, r: int, pending=None):
         """Dispatch the sampling of rows `idx` of `hidden` (`spans` their sequences,
         jaxkv.sampling.rows.Span) padded to `r` sampler rows; returns the sampler's output,
         still on the device. `pending`: for a step run ahead (async scheduling), (prev0,
         prev1, sources): the step before's sampled tokens on the device and each span's index
-        in them; each span's last output token is that one (rows.penalty_arrays' pending)."""
+        in them; each span's last output token is that one (rows.penalty_arrays' pending).
+        The host arrays it sent are kept as `last_rows` (a steady batch carries them on)."""
+        self.last_rows = self.arrays(spans, r, None if pending is None else pending[2])
+        return self.call(params, hidden, idx, self.last_rows, None if pending is None else pending[:2])
+
+    def arrays(self, spans, r: int, sources=None) -> SamplerRows:
+        """The host arrays of sampling `spans` in `r` rows; `sources` (a step run ahead's,
+        RowSampler.dispatch's pending): each span's last output token is on the device."""
         sp = [x.sched.sampling_params for x in spans]
-        mode = rows.sampler_mode(sp)
         want_lp = any(p.logprobs is not None for p in sp)
-        s_arr = rows.sampling_arrays(spans, r)
-        pen = fill = None
+        pen = src = col = None
         if any(rows.needs_penalties(x.sched) for x in spans):
             pen = rows.penalty_arrays(spans, r, self.vocab_size, self.max_model_len,
-                                      pending=pending is not None)
-            if pending is not None:
-                fill = (*pending[:2], *rows.pending_fill(spans, r, pen.output_ids.shape[1], pending[2]))
-        h = self.programs.gather_rows(hidden, np.pad(idx, (0, r - len(idx))))
-        return self.programs.sample(params, h, s_arr, pen,
-                                    rows.grammar_bitmask(spans, r, self.vocab_size), fill, mode=mode,
-                                    num_logprobs=max(1, self.max_logprobs) if want_lp else 0)
+                                      pending=sources is not None)
+            if sources is not None and any(x.sched.output_token_ids is not None for x in spans):
+                src, col = rows.pending_fill(spans, r, pen.output_ids.shape[1], sources)
+        return SamplerRows(rows.sampler_mode(sp), max(1, self.max_logprobs) if want_lp else 0,
+                           rows.sampling_arrays(spans, r), pen,
+                           rows.grammar_bitmask(spans, r, self.vocab_size), src, col)
+
+    def call(self, params, hidden, idx, sr: SamplerRows, prev=None):
+        """Dispatch the gather of rows `idx` of `hidden` (padded to the arrays' rows) and
+        their sampling with `sr`; `prev`: (prev0, prev1), the device arrays sr.source
+        indexes, when some row's last output token is still there."""
+        fill = None
+        if prev is not None and sr.column is not None:
+            fill = (*prev, sr.source, sr.column)
+        h = self.programs.gather_rows(hidden, np.pad(idx, (0, len(sr.sampling.temperature) - len(idx))))
+        return self.programs.sample(params, h, sr.sampling, sr.penalties, sr.bitmask, fill,
+                                    mode=sr.mode, num_logprobs=sr.num_logprobs)
+
+    def carry(self, sr: SamplerRows, keep, out, tokens, r: int, params) -> SamplerRows | None:
+        """The arrays of a steady batch's next step (jaxkv/runner/steady_batch.py) after a
+        step sampled with `sr`: its rows `keep` (int array) in `r` rows with output positions
+        `out` (int32 [kept]); each history's pending column now holds the token read since
+        (`tokens`: [id] per row of sr's step, the tokens the device wrote there) and the next
+        column is left to the device (source: the row in sr's step's output); `params`: the
+        kept rows' SamplingParams. None when a history outgrows its width."""
+        n = len(keep)
+        s_arr = rows.sampling_arrays([], r)
+        for a, old in zip(s_arr, sr.sampling):
+            a[:n] = old[keep]
+        s_arr.step[:n] = out
+        pen, src, col = sr.penalties, None, None
+        if not any(p.has_penalties or p.has_logits_filters for p in params):
+            pen = None  # (as RowSampler.arrays: the rows that needed them are gone)
+        if pen is not None:
+            width = pen.output_ids.shape[1]
+            last = sr.column[keep] if sr.column is not None else np.full(n, width)  # (width: none)
+            has = np.flatnonzero(last < width)
+            if (last[has] + 1 >= width).any():
+                return None
+            fields = []
+            for a, fill in zip(pen, rows.penalty_padding(self.vocab_size)):
+                b = np.full((r, *a.shape[1:]), fill, a.dtype)
+                b[:n] = a[keep]
+                fields.append(b)
+            pen = smp.PenaltyArrays(*fields)
+            pen.output_ids[has, last[has]] = np.fromiter((t[0] for t in tokens), np.int32, len(tokens))[keep[has]]
+            if len(has):  # (as RowSampler.arrays: no fill when no row has a history)
+                src, col = np.zeros(r, np.int32), np.full(r, width, np.int32)
+                src[:n], col[has] = keep, last[has] + 1
+        lp = max(1, self.max_logprobs) if any(p.logprobs is not None for p in params) else 0
+        return SamplerRows(rows.sampler_mode(params), lp, s_arr, pen, None, src, col)
 
     def collect(self, res, sampled, spans) -> None:
         """Read the sampler's output to the host into RunnerOutput `res`: each span's kept

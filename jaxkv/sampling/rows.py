@@ -115,6 +115,7 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
             i = sp_.row + j
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             out_ids = None
+            assert not (pending and words), "bad_words read the pending token: never run ahead"
             if s.prompt_token_ids is not None:
                 out_ids = (s.output_token_ids[:s.num_output_tokens - 1] if pending
                            else list(s.output_token_ids) + s.spec_token_ids[:j])
@@ -133,6 +134,12 @@ def penalty_arrays(spans: list[Span], r: int, vocab_size: int, max_model_len: in
     has_allowed = np.array([bool(a) for a in allowed], bool)
     return smp.PenaltyArrays(rep, pres, freq, prompt, output, banned, bias_ids, bias_values,
                              allowed_ids, has_allowed)
+
+
+def penalty_padding(vocab_size: int) -> tuple:
+    """The value of each PenaltyArrays field in a padding row (penalty_arrays' fills)."""
+    v = vocab_size
+    return (1.0, 0.0, 0.0, v, v, v, v, 0.0, v, False)
 
 
 def pending_fill(spans: list[Span], r: int, width: int, sources) -> tuple[np.ndarray, np.ndarray]:

@@ -78,7 +78,7 @@ def with_pending(p: PenaltyArrays, prev0: jax.Array, prev1: jax.Array, source: j
     history, nothing written)."""
     tok = jnp.concatenate([prev0, prev1])[source]
     rows = jnp.arange(tok.shape[0])
-    return p._replace(output_ids=p.output_ids.at[rows, column].set(tok, mode="drop"))
+    return PenaltyArrays(*p[:4], p.output_ids.at[rows, column].set(tok, mode="drop"), *p[5:])
 
 
 def pad_rows(tokens: jax.Array, n: int) -> jax.Array:

@@ -131,12 +131,16 @@ def test_penalty_rows_run_ahead_and_equal_synchronous_ones(llm):
         runner.async_scheduling = False
         ref = llm.generate(PROMPTS[:4], sp, use_tqdm=False)
         runner.async_scheduling = True
-        n0 = runner.num_ahead_used
+        n0, steady = runner.num_ahead_used, runner.num_ahead_steady
         got = llm.generate(PROMPTS[:4], sp, use_tqdm=False)
         assert runner.num_ahead_used - n0 >= 20
+        assert runner.num_ahead_steady - steady >= 15  # their arrays carried on (steady_batch.py)
     finally:
         runner.async_scheduling = saved
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    for o, r in zip(got[2].outputs[0].logprobs, ref[2].outputs[0].logprobs):
+        assert o.keys() == r.keys()
+        np.testing.assert_allclose([v.logprob for v in o.values()], [v.logprob for v in r.values()], atol=1e-4)
     plain = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                          use_tqdm=False)  # (the penalty changed the tokens: it was applied)
     assert got[0].outputs[0].token_ids != plain[0].outputs[0].token_ids

@@ -32,6 +32,8 @@ def test_the_dry_run_writes_every_stage(tmp_path):
     assert all(r["steps_steady"] > 0.5 for r in single)  # the steady batch's fast path
     assert by["trace"][0]["gpu_idle_share"] is None  # no GPU events on the CPU
     assert by["warmup"][0]["programs"] > 0 and by["offline"][0]["output_tok_per_s"] > 0
+    off = by["offline"][0]  # requests arriving and finishing: the shares of its steps
+    assert 0 <= off["steps_steady"] <= off["steps_dispatched_ahead"] <= 1 and off["host_cpu_ms_per_step"] > 0
     mem = by["memory"]  # every step program: the pool aliased, no pool-sized temporary
     assert mem and all(r["alias_gib"] >= r["pool_gib"] > 0 and r["temp_below_tenth_of_pool"]
                        and r["within_4gib"] for r in mem)

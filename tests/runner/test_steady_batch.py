@@ -168,3 +168,100 @@ def test_only_plain_decodes_make_a_batch():
     predicted, si = _general(scheduled, np.zeros(ROWS, np.int32))
     assert SteadyBatch.of(predicted, si) is None
     assert SteadyBatch.of(predicted, dataclasses.replace(si, sample_mode=np.zeros(1, np.int32))) is None
+
+
+# ---- rows the separate sampler samples (penalties, logprobs, logit_bias) ---------------------
+VOCAB = 600
+
+
+def _general_sampled(scheduled, prev, sampler):
+    """(predicted, StepInput, SamplerRows) of the step run ahead after `scheduled` whose rows
+    the separate sampler samples, as RunAhead._run_ahead makes them (RowSampler.dispatch's
+    arrays, each history's last token pending on the device)."""
+    plan = la.plan(scheduled, {s.request_id: (0, i) for i, s in enumerate(scheduled)}, BS, MAX_LEN, ROWS)
+    if plan is None:
+        return None, None, None
+    predicted, index = plan
+    si = build_step_input(SchedulerOutput(predicted), block_size=BS, num_tokens=ROWS, rows=ROWS,
+                          max_blocks=MAX_BLOCKS, rope_table=ROPE, mark_decode_only=True,
+                          prev_rows=ROWS, fused_sampling=True)
+    prev_index = si.prev_index.copy()
+    prev_index[:len(index)] = index
+    si = dataclasses.replace(si, prev_sampled=(prev, prev), prev_index=prev_index)
+    return predicted, si, sampler.arrays(fs.spans(predicted), ROWS, index)
+
+
+def _assert_same_rows(a, b):
+    assert (a.mode, a.num_logprobs, a.bitmask) == (b.mode, b.num_logprobs, b.bitmask)
+    for x, y in ((a.sampling, b.sampling), (a.penalties, b.penalties)):
+        assert (x is None) == (y is None)
+        for name, u, v in zip(x._fields, x, y) if x is not None else ():
+            np.testing.assert_array_equal(u, v, err_msg=name)
+    for u, v in ((a.source, b.source), (a.column, b.column)):
+        np.testing.assert_array_equal(u, v)
+
+
+def _first_sampled_step(rng, n):
+    """A step of n sequences with penalties, logprobs or logit_bias (some plain), each with
+    its own live history lists (the scheduler hands a request's own, Scheduler._describe)."""
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=0.2),
+             dict(logprobs=2), dict(logit_bias={7: 2.0}), {}]
+    scheduled = _first_step(rng, n)
+    for s in scheduled:
+        s.sampling_params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=3,
+                                           max_tokens=rng.randrange(3, 30), **rng.choice(kinds))
+        if s.sampling_params.has_penalties:
+            s.prompt_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
+            s.output_token_ids = [rng.randrange(VOCAB) for _ in range(s.num_output_tokens)]
+    return scheduled
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_fast_path_carries_the_separate_samplers_arrays_as_the_general_path_builds_them(seed):
+    from jaxkv.sampling.row_sampler import RowSampler
+    rng = random.Random(100 + seed)
+    sampler = RowSampler(None, vocab_size=VOCAB, max_model_len=MAX_LEN, max_logprobs=5)
+    prev = np.arange(ROWS, dtype=np.int32)
+    predicted, si, sr = _general_sampled(_first_sampled_step(rng, rng.randrange(1, ROWS + 1)), prev, sampler)
+    batch, steps = SteadyBatch.of(predicted, si, sr), 0
+    assert batch is not None and batch.sampler is sr
+    while predicted is not None:
+        tokens = [rng.randrange(3, 500) for _ in predicted]
+        la.Ahead(predicted, fs.spans(predicted), None, batch).fill_tokens(
+            {q.request_id: [t] for q, t in zip(predicted, tokens)})
+        for q, t in zip(predicted, tokens):  # update_from_output: the request's own list grows
+            if q.output_token_ids is not None:
+                q.output_token_ids.append(t)
+        scheduled = _scheduler_step(predicted, tokens, rng)
+        match = batch.matches(scheduled)
+        assert match is not None
+        steps += 1
+        predicted, si, sr = _general_sampled(scheduled, prev, sampler)
+        step = batch.advance(match[1], match[0], BS, MAX_LEN)
+        assert (predicted is None) == (step is None)
+        if step is None:
+            break
+        keep, pos, out, tables = step
+        fast = sampler.carry(batch.sampler, keep, out, batch.tokens, ROWS, [batch.params[i] for i in keep])
+        _assert_same_rows(sr, fast)
+        batch = batch.next_batch(scheduled, match[1], keep, pos, out, si, fast)
+    assert steps >= 1
+
+
+def test_a_sampled_batch_refuses_other_history_lists():
+    rng = random.Random(7)
+    from jaxkv.sampling.row_sampler import RowSampler
+    sampler = RowSampler(None, vocab_size=VOCAB, max_model_len=MAX_LEN, max_logprobs=5)
+    scheduled = _first_sampled_step(rng, 4)
+    for s in scheduled:
+        s.sampling_params = SamplingParams(temperature=0, max_tokens=50, repetition_penalty=1.2)
+        s.prompt_token_ids, s.output_token_ids = [1, 2], [3] * s.num_output_tokens
+    predicted, si, sr = _general_sampled(scheduled, np.zeros(ROWS, np.int32), sampler)
+    batch = SteadyBatch.of(predicted, si, sr)
+    la.Ahead(predicted, None, None, batch).fill_tokens({q.request_id: [7] for q in predicted})
+    nxt = [dataclasses.replace(q, token_ids=[7]) for q in predicted]
+    assert batch.matches(nxt) is not None
+    nxt[2] = dataclasses.replace(nxt[2], output_token_ids=list(nxt[2].output_token_ids))  # equal, not its own
+    assert batch.matches(nxt) is None
+    bad = SamplingParams(temperature=0, max_tokens=50, bad_words=["x"])
+    assert SteadyBatch.of([dataclasses.replace(predicted[0], sampling_params=bad)], si, sr) is None
