@@ -2,7 +2,8 @@
 dispatched from the launcher's thread (launcher.py). ModelRunner inherits it; it reads the
 runner's prev_rows, block_size, max_model_len, multi_step, async_scheduling, build_inputs and
 _dispatch, and for the fast path of a steady decode (steady_batch.py) max_num_seqs,
-max_blocks, rope_table, mark_decode_only, the fused-sampling limits and _fused_step.
+max_blocks, rope_table, mark_decode_only, the fused-sampling limits, _fused_step, forward,
+params, compiles and its RowSampler `sampler` (for rows the separate sampler samples).
 
 The KV pool is read through `kv_cache`, which first waits for the launcher's call in flight:
 every program that uses the pool then follows the step run ahead on the device, in the order
@@ -184,15 +185,22 @@ class RunAhead:
                                max_blocks=self.max_blocks, rope_table=self.rope_table,
                                mark_decode_only=self.mark_decode_only)
         if sr is not None:
-            hidden = self.forward(si)
-            with self.compiles:
-                sampled = self.sampler.call(self.params, hidden, np.arange(len(keep)), sr, (prev, prev))
+            call, args = self._sampled_step, (si, sr, (prev, prev))
         else:
             self.num_fused_sampling_steps += 1
-            sampled = (self.launcher.launch(self._fused_step, si)
-                       if self.launcher is not None and self.launch_ahead else self._fused_step(si))
+            call, args = self._fused_step, (si,)
+        sampled = (self.launcher.launch(call, *args) if self.launcher is not None and self.launch_ahead
+                   else call(*args))
         self.num_ahead_dispatched += 1
         return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, blocks, keep, pos, num_out, si, sr))
+
+    def _sampled_step(self, si, sr, prev):
+        """Dispatch a steady step whose rows the separate sampler samples (with SamplerRows
+        `sr`; `prev`: the device arrays its sources index), then that sampling (on the
+        launcher's thread when launched); the SamplerOutput, still on the device."""
+        hidden = self.forward(si)
+        with self.compiles:
+            return self.sampler.call(self.params, hidden, np.arange(int(si.num_seqs[0])), sr, prev)
 
     def _predictions(self, ahead: la.Ahead) -> la.Ahead:
         """`ahead` with its predicted ScheduledRequests and spans: made now from its batch's
