@@ -23,20 +23,26 @@ ROPE = (np.random.default_rng(0).random((MAX_LEN, 4), np.float32),
         np.random.default_rng(1).random((MAX_LEN, 4), np.float32))
 
 
-def _general(scheduled, prev):
-    """(predicted, StepInput) of the step run ahead after `scheduled`, as RunAhead._run_ahead
-    makes it (every sequence's token in row i of `prev`, one bucket of ROWS tokens)."""
+def _plan_input(scheduled, prev):
+    """(predicted, their sources, StepInput before sampling) of the step run ahead after
+    `scheduled`, as RunAhead._run_ahead makes it (every sequence's token in row i of `prev`,
+    one bucket of ROWS tokens); Nones when it is not run ahead."""
     plan = la.plan(scheduled, {s.request_id: (0, i) for i, s in enumerate(scheduled)}, BS, MAX_LEN, ROWS)
     if plan is None:
-        return None, None
+        return None, None, None
     predicted, index = plan
     si = build_step_input(SchedulerOutput(predicted), block_size=BS, num_tokens=ROWS, rows=ROWS,
                           max_blocks=MAX_BLOCKS, rope_table=ROPE, mark_decode_only=True,
                           prev_rows=ROWS, fused_sampling=True)
     prev_index = si.prev_index.copy()
     prev_index[:len(index)] = index
-    si = dataclasses.replace(si, prev_sampled=(prev, prev), prev_index=prev_index)
-    return predicted, fs.with_sampling(si, fs.spans(predicted))
+    return predicted, index, dataclasses.replace(si, prev_sampled=(prev, prev), prev_index=prev_index)
+
+
+def _general(scheduled, prev):
+    """(predicted, StepInput) of the step run ahead after `scheduled`, its program sampling."""
+    predicted, _, si = _plan_input(scheduled, prev)
+    return (None, None) if predicted is None else (predicted, fs.with_sampling(si, fs.spans(predicted)))
 
 
 def _fast(batch, scheduled, match, prev):
@@ -178,16 +184,9 @@ def _general_sampled(scheduled, prev, sampler):
     """(predicted, StepInput, SamplerRows) of the step run ahead after `scheduled` whose rows
     the separate sampler samples, as RunAhead._run_ahead makes them (RowSampler.dispatch's
     arrays, each history's last token pending on the device)."""
-    plan = la.plan(scheduled, {s.request_id: (0, i) for i, s in enumerate(scheduled)}, BS, MAX_LEN, ROWS)
-    if plan is None:
+    predicted, index, si = _plan_input(scheduled, prev)
+    if predicted is None:
         return None, None, None
-    predicted, index = plan
-    si = build_step_input(SchedulerOutput(predicted), block_size=BS, num_tokens=ROWS, rows=ROWS,
-                          max_blocks=MAX_BLOCKS, rope_table=ROPE, mark_decode_only=True,
-                          prev_rows=ROWS, fused_sampling=True)
-    prev_index = si.prev_index.copy()
-    prev_index[:len(index)] = index
-    si = dataclasses.replace(si, prev_sampled=(prev, prev), prev_index=prev_index)
     return predicted, si, sampler.arrays(fs.spans(predicted), ROWS, index)
 
 
