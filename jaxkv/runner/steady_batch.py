@@ -62,7 +62,7 @@ def _same_objects(a, b) -> bool:
 
 @dataclass
 class SteadyBatch:
-    """The rows (row i = sequence i) of a plain decode step run ahead. positions: each row's
+    """The rows (row i = sequence i) of a one-token decode step run ahead. positions: each row's
     query position (its num_computed_tokens); tokens: its input token, [id] each (None until
     the step before has been read); blocks: the block id lists its table rows hold; si: the
     StepInput dispatched (numpy arrays); sampler: the separate sampler's arrays
@@ -157,12 +157,11 @@ class SteadyBatch:
                            pick(self.prompts), pick(self.outputs), pick(scheduled), k,
                            max_tokens=self.max_tokens[keep])
 
-    def sampling_rows(self, keep, out, padding, old=None):
-        """The sampler's arrays of the next step: this step's rows `keep` (of `old`, default
-        the step program's), output positions `out`, padded as `padding` (sampling_arrays'
-        padding rows [R])."""
+    def sampling_rows(self, keep, out, padding):
+        """The step program's sampler arrays of the next step: this step's rows `keep`,
+        output positions `out`, padded as `padding` (sampling_arrays' padding rows [R])."""
         n, fields = len(keep), []
-        for pad, old in zip(padding, self.si.sampling if old is None else old):
+        for pad, old in zip(padding, self.si.sampling):
             a = pad.copy()
             a[:n] = old[keep]
             fields.append(a)
