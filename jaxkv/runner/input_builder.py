@@ -100,6 +100,17 @@ def decode_step_input(pos: np.ndarray, tables: np.ndarray, prev_sampled: tuple, 
                      prev_sampled, prev, decode_only=mark_decode_only)
 
 
+def pending_sources(si: StepInput, idx: np.ndarray):
+    """RowSampler.dispatch's `pending` for the sampled rows `idx` (int [n], token rows) of
+    step `si`: (prev0, prev1, their prev_index) when every such row's input token is taken
+    on the device from the step before (a step run ahead: that token is also the row's last
+    output, not on the host yet), else None."""
+    if si.prev_index is None or not len(idx):
+        return None
+    src = si.prev_index[idx]
+    return (*si.prev_sampled, src) if (src >= 0).all() else None
+
+
 @functools.lru_cache(maxsize=8)
 def padding_sampling(r: int):
     """The sampler's arrays of r padding rows (sampling_arrays([], r)), read-only, shared."""

@@ -29,7 +29,7 @@ from jaxkv.models import sharding as sh
 from jaxkv.runner.buckets import num_rows, pick_bucket, sample_row_counts, sample_rows
 from jaxkv.runner.compile_counter import CompileCounter
 from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_bucket
-from jaxkv.runner.input_builder import build_step_input, rope_tables
+from jaxkv.runner.input_builder import build_step_input, pending_sources, rope_tables
 from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.launcher import Launcher
 from jaxkv.runner.run_ahead import RunAhead
@@ -311,16 +311,15 @@ class ModelRunner(RunAhead):
             self._ahead.fill_tokens(res.sampled)
         return res
 
-    def _dispatch(self, scheduled, si: StepInput, launch: bool = False, pending=None):
+    def _dispatch(self, scheduled, si: StepInput, launch: bool = False):
         """(hidden or None, spans, sampled, the StepInput dispatched: `si`, with the
         sampler's arrays where its program samples) of step `si` of `scheduled`: a multi-step
         decode's program when some sequence has num_steps > 1 (jaxkv/runner/multi_step.py),
         else _step_and_sample. `launch`: a fused step or a k-step program is dispatched by the
-        launcher's thread (sampled is then a Future of its output). `pending`: a step run
-        ahead's last output tokens, on the device (RowSampler.dispatch)."""
+        launcher's thread (sampled is then a Future of its output)."""
         launch = launch and self.launcher is not None and self.launch_ahead
         if self.multi_step is None or not self.multi_step.wanted(scheduled):
-            return self._step_and_sample(scheduled, si, launch, pending)
+            return self._step_and_sample(scheduled, si, launch)
         spans, si, plan = self.multi_step.prepare(scheduled, si)
         if launch:
             return None, spans, self.launcher.launch(self._multi_step_call, si, plan), si
@@ -333,12 +332,12 @@ class ModelRunner(RunAhead):
         self._count_experts(load)
         return sampled
 
-    def _step_and_sample(self, scheduled, si: StepInput, launch: bool = False, pending=None):
+    def _step_and_sample(self, scheduled, si: StepInput, launch: bool = False):
         """Dispatch the step `si` of `scheduled` and the sampling of its rows: (hidden, spans,
         the sampler's output still on the device (None when nothing samples), the StepInput
         dispatched). A plain step samples inside its own program
-        (jaxkv/sampling/fused_sampling.py); `pending` goes to the sampler's
-        (RowSampler.dispatch)."""
+        (jaxkv/sampling/fused_sampling.py). Rows whose input token is still on the device
+        (a step run ahead) have it as their pending last output (pending_sources)."""
         fused = si.sampling is not None and fs.fusable(scheduled, si.num_tokens,
                                                        self.fused_sampling_max_tokens)
         if fused:
@@ -354,7 +353,7 @@ class ModelRunner(RunAhead):
             spans, idx = rows.layout(scheduled, si.query_start_loc)
             sampled = (self.sampler.dispatch(self.params, hidden, spans, idx,
                                               sample_rows(si.num_tokens, len(idx), self.max_num_seqs),
-                                              pending)
+                                              pending_sources(si, idx))
                        if spans else None)
         return hidden, spans, sampled, si
 

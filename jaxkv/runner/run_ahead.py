@@ -120,7 +120,7 @@ class RunAhead:
         prev_index = si.prev_index.copy()
         prev_index[:len(index)] = index  # one query row per sequence, in order
         si = dataclasses.replace(si, prev_sampled=(arrays[0], arrays[-1]), prev_index=prev_index)
-        _, spans, sampled, si = self._dispatch(predicted, si, True, (arrays[0], arrays[-1], index))
+        _, spans, sampled, si = self._dispatch(predicted, si, launch=True)
         self.num_ahead_dispatched += 1
         batch = None
         if self.multi_step is None and si.sampling is not None:  # (the sampler's arrays, if it ran)
