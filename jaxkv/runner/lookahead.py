@@ -24,11 +24,13 @@ its next position must lie in a block it already holds. The penalties that read 
 history (repetition, presence, frequency) are predicted too: their history is the host's
 but for its last token, which the sampler takes on the device from this step's sampled
 tokens (RowSampler.dispatch's pending, sampler.with_pending). One that ends by length now
-(max_tokens, max_model_len) is left out of the prediction. A step is run ahead when every
-sequence of the step sampled and each is predicted or ends by length: not after a step with
-a prompt chunk that samples nothing, nor from a step after which some sequence's next token
-needs a new block that its lookahead slot did not give it, nor while any sequence has
-bad_words, a grammar, drafts or prompt logprobs.
+(max_tokens, max_model_len) is left out of the prediction, and so is a prompt chunk that
+samples nothing (a prompt longer than the step's token budget): the scheduler's next step
+asks its next chunk, which runs beside the step run ahead as a program of its own, as an
+arrival does. A step is run ahead when each sequence that sampled is predicted or ends by
+length: not from a step after which some sequence's next token needs a new block that its
+lookahead slot did not give it, nor while any sequence has bad_words, a grammar, drafts or
+prompt logprobs.
 
 Multi-step decode (jaxkv/runner/multi_step.py, num_scheduler_steps k > 1) is predicted the
 same way: each sequence goes on from its last sampled token at the position after its last
@@ -117,15 +119,18 @@ def plan(scheduled: list[ScheduledRequest], sources: dict[str, tuple[int, int]],
     device: `sources` maps each sequence that sampled to (its sampler output 0 or 1, its row
     there), each output padded to `rows` rows. Returns (the predicted ScheduledRequests, for
     each its input token's index in the two outputs concatenated), leaving out sequences
-    that end by length now; None when a sequence sampled nothing (a prompt chunk) or its next
-    step cannot be predicted, or none goes on. With multi-step decode (`k` =
+    that end by length now and prompt chunks that sample nothing (the scheduler's next step
+    asks their next chunk, which runs as a program beside the step run ahead); None when a
+    sampling sequence's next step cannot be predicted, or none goes on. With multi-step decode (`k` =
     num_scheduler_steps > 1) the steps of each predicted sequence are those the scheduler will
     give it (`multi_steps`)."""
     predicted, index = [], []
     for s in scheduled:
         src = sources.get(s.request_id)
         if src is None:
-            return None
+            if s.sample:  # (its tokens lie in a third output: not predicted)
+                return None
+            continue  # a prompt chunk: its next chunk runs beside the step run ahead
         q = predict(s, block_size, max_model_len)
         if q is None:
             if ends_by_length(s, max_model_len):

@@ -222,7 +222,11 @@ def test_plan_leaves_out_sequences_ending_by_length_and_indexes_both_outputs():
     assert (predicted[1].num_computed_tokens, predicted[1].num_output_tokens) == (7, 5)
     assert [q.request_id for q in la.plan([a, c], sources, 16, 22, rows=8)[0]] == ["c"]
     assert la.plan([b], sources, 16, 1024, rows=8) is None  # nothing goes on
-    assert la.plan([a, c], {"a": (0, 3)}, 16, 1024, rows=8) is None  # c sampled nothing
+    chunk = _sched(request_id="c", num_computed_tokens=4, token_ids=[5, 6], sample=False)
+    predicted, index = la.plan([chunk, a], {"a": (0, 3)}, 16, 1024, rows=8)  # a prompt chunk
+    assert [q.request_id for q in predicted] == ["a"] and index == [3]  # runs beside it
+    assert la.plan([chunk], {}, 16, 1024, rows=8) is None  # nothing to run ahead
+    assert la.plan([a, c], {"a": (0, 3)}, 16, 1024, rows=8) is None  # c's tokens: not given
     bad = _sched(request_id="c", sampling_params=SamplingParams(temperature=0, max_tokens=50,
                                                                 bad_words=["x"]))
     assert la.plan([a, bad], sources, 16, 1024, rows=8) is None  # the host decides c's next
@@ -335,3 +339,40 @@ def test_a_steady_batch_of_any_size_decodes_ahead_every_step(tmp_path):
         assert kv.num_free_blocks == kv.num_total_blocks
         sync = LLM(**kw, async_scheduling=False).generate(ps, sp, use_tqdm=False)
         assert [list(outs[str(i)]) for i in range(b)] == [list(o.outputs[0].token_ids) for o in sync], b
+
+
+def test_decodes_run_ahead_beside_a_chunked_prompt(tmp_path):
+    """A prompt longer than the step's token budget is computed in chunks that sample
+    nothing; the decodes beside it are still run ahead each step (lookahead.plan leaves the
+    chunk out: its next chunk runs as a program beside the step run ahead), and every token
+    equals a synchronous engine's, with no block leaked."""
+    from benchmarks.e2e_decode import TINY_CONFIG, model_folder
+    from jaxkv import LLM
+    rng = np.random.default_rng(5)
+    short = [{"prompt_token_ids": rng.integers(3, 500, 6).tolist()} for _ in range(3)]
+    long = {"prompt_token_ids": rng.integers(3, 500, 150).tolist()}
+    kw = dict(model=model_folder(TINY_CONFIG, str(tmp_path)), load_format="dummy", max_model_len=256,
+              max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32),
+              enable_prefix_caching=False, kv_cache_memory_bytes="16MiB")
+    llm = LLM(**kw)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, x in enumerate(short):
+        engine.add_request(str(i), x, sp)
+    outs = {}
+    while not runner.step_ahead_pending:
+        engine.step()
+    engine.add_request("long", long, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    before = engine.stats()
+    for _ in range(6):  # the long prompt's chunks (29 tokens beside 3 decodes), then its decode
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    after = engine.stats()
+    assert engine.scheduler.requests["long"].num_output_tokens >= 1
+    assert after.num_async_steps_used - before.num_async_steps_used == 6  # (before: 1 of 6)
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_total_blocks
+    sync = LLM(**kw, async_scheduling=False).generate(
+        short + [long], [sp] * 3 + [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)], use_tqdm=False)
+    assert [list(outs[k]) for k in ("0", "1", "2", "long")] == [list(o.outputs[0].token_ids) for o in sync]
