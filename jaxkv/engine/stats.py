@@ -61,8 +61,8 @@ class EngineStats:
     num_async_steps: int = 0
     num_async_steps_used: int = 0
     num_async_steps_discarded: int = 0
-    # Of num_async_steps_used, those the steady batch's fast path took (every sequence as
-    # predicted; jaxkv/runner/steady_batch.py), its next step made from arrays.
+    # Of num_async_steps_used, those the steady batch's fast path took (its rows asked as
+    # predicted, some perhaps dropped or joined by others; jaxkv/runner/steady_batch.py).
     num_async_steps_steady: int = 0
     # Of num_async_steps, those dispatched from the launcher's thread, off the engine thread
     # (jaxkv/runner/launcher.py: fused single steps and k-step programs).

@@ -59,7 +59,11 @@ class Ahead:
     batch: object = None
 
     def fill_tokens(self, sampled: dict[str, list[int]]) -> None:
-        """Set each predicted sequence's input token: the one this step sampled for it."""
+        """Set each predicted sequence's input token: the one this step sampled for it (a
+        batch made without its predictions, SteadyBatch.joined: each of its rows')."""
+        if self.predicted is None:
+            self.batch.tokens = tuple([int(sampled[rid][-1])] for rid in self.batch.ids)
+            return
         for q in self.predicted:
             q.token_ids = [int(sampled[q.request_id][-1])]
         if self.batch is not None:

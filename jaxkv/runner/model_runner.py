@@ -285,10 +285,7 @@ class ModelRunner(RunAhead):
             steady = self._execute_steady(out, ahead)
             if steady is not None:
                 return steady
-        reuse, rest = self._predictions(ahead).split(out.scheduled) if ahead is not None else ([], out.scheduled)
-        if ahead is not None:
-            self.num_ahead_used += bool(reuse)
-            self.num_ahead_discarded += not reuse
+        reuse, rest, match = self._split(out, ahead)
         res, runs = RunnerOutput(), []
         for part in ms.MultiStep.parts(rest):
             sub = out if len(part) == len(out.scheduled) else SchedulerOutput(part)
@@ -298,7 +295,7 @@ class ModelRunner(RunAhead):
         if self.multi_step is not None and self.multi_step.wanted(out.scheduled):
             self.multi_step.num_steps_run += 1
         if self.async_scheduling:  # the next step, now
-            self._ahead = self._run_ahead(out, reuse, ahead, runs)
+            self._ahead = self._run_ahead(out, reuse, ahead, runs, match)
         if reuse:
             ms.collect(self.sampler, res, ahead.sampled, [x for _, x in reuse])
         for sub, si, hidden, spans, sampled in runs:

@@ -24,8 +24,9 @@ from jaxkv.runner import lookahead as la
 from jaxkv.runner.buckets import num_rows, pick_bucket
 from jaxkv.runner.input_builder import decode_step_input, padding_sampling
 from jaxkv.runner.launcher import Launcher
-from jaxkv.runner.steady_batch import SteadyBatch
+from jaxkv.runner.steady_batch import SteadyBatch, padded
 from jaxkv.sampling import fused_sampling as fs
+from jaxkv.sampling.rows import Span
 
 logger = logging.getLogger("jaxkv")
 
@@ -91,14 +92,44 @@ class RunAhead:
         except Exception:  # noqa: BLE001 - any failure to read it back means it is lost
             return False
 
-    def _run_ahead(self, out: SchedulerOutput, reuse, ahead, runs) -> la.Ahead | None:
+    def _split(self, out: SchedulerOutput, ahead: la.Ahead | None):
+        """(reuse: [(ScheduledRequest, its Span in ahead.sampled)] computed ahead; rest: the
+        ScheduledRequests to run now; match: SteadyBatch.match_rows's, or None) of step `out`
+        after the step run ahead `ahead` (or None): from its batch's rows when they match, some
+        perhaps dropped and others beside them (counted as steady), else from its
+        predictions (lookahead.Ahead.split)."""
+        if ahead is None:
+            return [], out.scheduled, None
+        b = ahead.batch
+        match = (b.match_rows(out.scheduled) if b is not None and b.sampler is None and self.multi_step is None
+                 else None)
+        if match is None:
+            reuse, rest = self._predictions(ahead).split(out.scheduled)
+        else:
+            reuse, rest = [], []
+            for s, r in zip(out.scheduled, match[0]):
+                if r >= 0:
+                    reuse.append((s, Span(s, r, 1)))
+                else:
+                    rest.append(s)
+            self.num_ahead_steady += 1
+        self.num_ahead_used += bool(reuse)
+        self.num_ahead_discarded += not reuse
+        return reuse, rest, match
+
+    def _run_ahead(self, out: SchedulerOutput, reuse, ahead, runs, match=None) -> la.Ahead | None:
         """Dispatch the predicted next step of `out` (jaxkv/runner/lookahead.py), its input
         ids taken on the device from this step's sampled tokens: those of the sequences
         computed ahead (`reuse`, rows of ahead.sampled) and of the ones run now (each of
-        `runs`' spans and sampler output; at most two outputs in all). None when it cannot
-        be predicted."""
+        `runs`' spans and sampler output; at most two outputs in all); from ahead's batch's
+        arrays where `_split` matched them (`match`) and the sequences run now can join it.
+        None when it cannot be predicted."""
         if not self.prev_rows:  # built without async scheduling: no such input
             return None
+        if match is not None:
+            joined = self._run_ahead_joined(out, ahead, match, runs)
+            if joined is not None:
+                return joined
         sources, arrays = {s.request_id: (0, x.row) for s, x in reuse}, []
         if reuse:
             arrays.append(ahead.sampled.token_ids)
@@ -193,6 +224,34 @@ class RunAhead:
                    else call(*args))
         self.num_ahead_dispatched += 1
         return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, blocks, keep, pos, num_out, si, sr))
+
+    def _run_ahead_joined(self, out: SchedulerOutput, ahead: la.Ahead, match, runs) -> la.Ahead | None:
+        """Dispatch the step after `out` from ahead.batch's arrays (SteadyBatch.join): its
+        rows `out` asked (`match`, SteadyBatch.match_rows) going on, joined by the
+        sequences run now (`runs`, one program at most) that sampled and go on as plain
+        decodes. None when some cannot join, or its bucket's program would not sample."""
+        src = {x.sched.request_id: self.prev_rows + x.row for x in runs[0][3]} if len(runs) == 1 and runs[0][3] else {}
+        step = ahead.batch.join(out.scheduled, *match, src, self.block_size, self.max_model_len)
+        if step is None:
+            return None
+        order, pos, num_out, tables, index, sampling = step
+        try:
+            t = pick_bucket(self._usable_buckets, len(order))
+        except ValueError:
+            return None
+        if t > min(self.fused_program_max_tokens, self.fused_sampling_max_tokens):
+            return None
+        r, prev = num_rows(t, self.max_num_seqs), ahead.sampled.token_ids
+        si = decode_step_input(pos, tables, (prev, runs[0][4].token_ids if src else prev), index,
+                               padded(sampling, padding_sampling(r)),
+                               fs.mode_of([out.scheduled[j].sampling_params for j in order]),
+                               block_size=self.block_size, num_tokens=t, rows=r, max_blocks=self.max_blocks,
+                               rope_table=self.rope_table, mark_decode_only=self.mark_decode_only)
+        self.num_fused_sampling_steps += 1
+        sampled = (self.launcher.launch(self._fused_step, si) if self.launcher is not None and self.launch_ahead
+                   else self._fused_step(si))
+        self.num_ahead_dispatched += 1
+        return la.Ahead(None, None, sampled, SteadyBatch.joined(out.scheduled, order, pos, num_out, si))
 
     def _sampled_step(self, si, sr, prev):
         """Dispatch a steady step whose rows the separate sampler samples (with SamplerRows

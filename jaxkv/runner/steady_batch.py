@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxkv.runner.lookahead import same_blocks
+from jaxkv.runner.lookahead import ends_by_length, predict, same_blocks
 from jaxkv.sampling.fused_sampling import mode_of
+from jaxkv.sampling.rows import Span, sampling_arrays
 
 # The fields that must agree row by row, and those every row of a one-token decode has: equal
 # to _PLAIN_ROW, and no grammar bitmask; the history lists (penalties) must be the batch's
@@ -58,6 +59,45 @@ def plain_rows(scheduled) -> bool:
 
 def _same_objects(a, b) -> bool:
     return all(map(operator.is_, a, b))
+
+
+def _picker(idx: list[int]):
+    """A function giving the tuple of a sequence's items at `idx` (non-empty), at C speed."""
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda xs: (xs[i],)
+    return operator.itemgetter(*idx)
+
+
+def _fused(p) -> bool:
+    """Whether SamplingParams `p` let the step program sample its row (fused_sampling.plain)."""
+    return (p.logprobs is None and not p.has_penalties and not p.has_logits_filters
+            and getattr(p, "structured_outputs", None) is None)
+
+
+def padded(rows, padding):
+    """SamplingArrays `rows` [m] followed by `padding`'s rows past m ([R], R >= m)."""
+    return type(rows)(*(np.concatenate([a, pad[len(a):]]) for a, pad in zip(rows, padding)))
+
+
+def joining(scheduled, rows: list[int], sources: dict, block_size: int, max_model_len: int) -> dict | None:
+    """The sequences of the step `scheduled` a batch did not hold (`rows` -1, as
+    SteadyBatch.match_rows gives them) that go on: {index in `scheduled`: (its prediction,
+    lookahead.predict's; its input token's index in the step's two sampler outputs,
+    `sources` by request id)}, leaving out prompt chunks that sample nothing and those that
+    end by length now; None when one cannot join a batch whose step program samples every
+    row (not a plain one-token decode, or not predicted)."""
+    new = {}
+    for j, s in enumerate(scheduled):
+        if rows[j] >= 0 or not s.sample:
+            continue
+        q = predict(s, block_size, max_model_len)
+        if q is None and ends_by_length(s, max_model_len):
+            continue
+        if q is None or not plain_rows([q]) or not _fused(q.sampling_params) or s.request_id not in sources:
+            return None
+        new[j] = (q, sources[s.request_id])
+    return new
 
 
 @dataclass
@@ -86,6 +126,7 @@ class SteadyBatch:
     source_rows: list[int] | None = None  # each row's row in the step before (its sampled token)
     tokens: tuple | None = None
     max_tokens: np.ndarray | None = None  # int64 [m]: each row's max_tokens (made when needed)
+    index: dict | None = None  # request id -> row (made when needed)
 
     @classmethod
     def of(cls, predicted, si, sampler=None) -> SteadyBatch | None:
@@ -97,9 +138,7 @@ class SteadyBatch:
             return None
         ids, pos, out, _, seeds, idx, blocks, ps = zip(*map(_ROW, predicted))
         if sampler is None:
-            if int(si.sample_mode[0]) == 0 or any(
-                    p.logprobs is not None or p.has_penalties or p.has_logits_filters
-                    or getattr(p, "structured_outputs", None) is not None for p in ps):
+            if int(si.sample_mode[0]) == 0 or not all(map(_fused, ps)):
                 return None
         elif int(si.sample_mode[0]) != 0 or sampler.bitmask is not None or any(p.bad_words for p in ps):
             return None
@@ -125,6 +164,41 @@ class SteadyBatch:
         changed = [i for i, (a, b) in enumerate(zip(blocks, self.blocks)) if a != b]
         return (changed, blocks) if all(same_blocks(blocks[i], self.blocks[i]) for i in changed) else None
 
+    def match_rows(self, scheduled) -> tuple[list[int], list[int], tuple] | None:
+        """Whether the scheduler's step `scheduled` asks some of this batch's rows as they were
+        computed (lookahead.same_step, in any order) beside sequences the batch does not hold
+        (a prompt admitted, a prompt chunk); rows it does not ask (finished, aborted,
+        preempted) are dropped. None when some row of the batch is asked otherwise or none is
+        asked, else (for each scheduled sequence the batch row it takes, -1 where none; the
+        indices in `scheduled` of rows whose block list changed since; the step's block lists)."""
+        if self.tokens is None or not scheduled:
+            return None
+        if self.index is None:
+            self.index = {rid: i for i, rid in enumerate(self.ids)}
+        ids, pos, out, toks, seeds, idx, blocks, ps = zip(*map(_ROW, scheduled))
+        rows = list(map(self.index.get, ids, itertools.repeat(-1)))
+        held = list(map(operator.ge, rows, itertools.repeat(0)))
+        mine = list(itertools.compress(range(len(rows)), held))
+        if not mine:
+            return None
+        asked = list(itertools.compress(rows, held))
+        now, then = _picker(mine), _picker(asked)  # (C-speed gathers: per sequence per step)
+        if (now(pos) != then(self.positions) or now(toks) != then(self.tokens)
+                or now(out) != then(self.num_output) or now(seeds) != then(self.seeds)
+                or now(idx) != then(self.sample_index) or not _same_objects(now(ps), then(self.params))
+                or not plain_rows(now(scheduled)) or not _same_objects(map(_OUTPUTS, now(scheduled)), then(self.outputs))
+                or not _same_objects(map(_PROMPTS, now(scheduled)), then(self.prompts))):
+            return None
+        if now(blocks) == then(self.blocks):
+            return rows, [], blocks
+        changed = [j for j, r in zip(mine, asked) if blocks[j] != self.blocks[r]]
+        return (rows, changed, blocks) if all(same_blocks(blocks[j], self.blocks[rows[j]]) for j in changed) else None
+
+    def _max_tokens(self) -> np.ndarray:
+        if self.max_tokens is None:
+            self.max_tokens = np.fromiter((p.max_tokens for p in self.params), np.int64, len(self.params))
+        return self.max_tokens
+
     def advance(self, blocks: tuple, changed: list[int], block_size: int, max_model_len: int):
         """The next step after the scheduler's step that matched this batch (`blocks`, `changed`:
         what `matches` returned): (the rows kept, int array: those not ending by length now;
@@ -133,10 +207,8 @@ class SteadyBatch:
         holds, or none goes on (as lookahead.plan)."""
         pos = np.array(self.positions, np.int32) + 1  # the next query position
         out = np.array(self.num_output, np.int32) + 1
-        if self.max_tokens is None:
-            self.max_tokens = np.fromiter((p.max_tokens for p in self.params), np.int64, len(self.params))
         lens = np.fromiter(map(len, blocks), np.int32, len(blocks))
-        end = (out >= self.max_tokens) | (pos + 1 >= max_model_len)
+        end = (out >= self._max_tokens()) | (pos + 1 >= max_model_len)
         if ((pos // block_size >= lens) & ~end).any() or end.all():
             return None
         tables = self.si.block_tables[:len(self.ids)].copy()
@@ -156,6 +228,63 @@ class SteadyBatch:
                            pick(self.sample_index), pick(self.params), pick(blocks), si, sampler,
                            pick(self.prompts), pick(self.outputs), pick(scheduled), k,
                            max_tokens=self.max_tokens[keep])
+
+    def join(self, scheduled, rows: list[int], changed: list[int], blocks: tuple, sources: dict,
+             block_size: int, max_model_len: int):
+        """The next step after the scheduler's step `scheduled` that match_rows matched (`rows`,
+        `changed`, `blocks`: what it returned), joined by the sequences run beside it that go
+        on (`joining`; `sources`: their input tokens' indices in the step's two sampler
+        outputs by request id, the batch's rows being output 0). Its rows are those going on
+        in the order of `scheduled` (as lookahead.plan orders them): (their indices in
+        `scheduled`; next positions, output counts and input token indices, int32 [m]; block
+        tables, int32 [m, B]; the step program's sampler rows, SamplingArrays [m]) - or None
+        when one cannot join, some asked row's next position lies past the blocks it holds,
+        or none goes on."""
+        new = joining(scheduled, rows, sources, block_size, max_model_len)
+        if new is None:
+            return None
+        every = np.array(rows)
+        mine = np.flatnonzero(every >= 0)
+        asked = every[mine]
+        pos, out = np.array(self.positions, np.int32)[asked] + 1, np.array(self.num_output, np.int32)[asked] + 1
+        lens = np.fromiter(map(len, blocks), np.int32, len(blocks))[mine]
+        end = (out >= self._max_tokens()[asked]) | (pos + 1 >= max_model_len)
+        if ((pos // block_size >= lens) & ~end).any():
+            return None
+        tables = self.si.block_tables[asked]
+        where = {j: k for k, j in enumerate(mine.tolist())} if changed else {}
+        for j in changed:
+            tables[where[j]] = 0
+            tables[where[j], :len(blocks[j])] = blocks[j]
+        keep, qs = np.flatnonzero(~end), [q for q, _ in (new[j] for j in sorted(new))]
+        js = np.concatenate([mine[keep], np.array(sorted(new), np.int64)]).astype(np.int64)
+        if not len(js):
+            return None
+        order = np.argsort(js, kind="stable")
+        new_tables = np.zeros((len(qs), tables.shape[1]), np.int32)
+        for i, q in enumerate(qs):
+            new_tables[i, :len(q.block_ids)] = q.block_ids
+        fresh = sampling_arrays([Span(q, i, 1) for i, q in enumerate(qs)], len(qs))
+        old = type(fresh)(*(f[asked[keep]] for f in self.si.sampling))  # (copies)
+        old.step[:] = out[keep]  # the output position
+
+        def cat(a, b):
+            return np.concatenate([a, b])[order]
+
+        sampling = type(fresh)(*map(cat, old, fresh))
+        return (js[order].tolist(), cat(pos[keep], [q.num_computed_tokens for q in qs]).astype(np.int32),
+                cat(out[keep], [q.num_output_tokens for q in qs]).astype(np.int32), cat(tables[keep], new_tables),
+                cat(asked[keep], [new[j][1] for j in sorted(new)]).astype(np.int32), sampling)
+
+    @classmethod
+    def joined(cls, scheduled, order: list[int], pos, out, si) -> SteadyBatch:
+        """The batch of the step `join` made (StepInput `si`; `order`, `pos`, `out` as it
+        returned them): rows `order` of the scheduler's step `scheduled`, each predicted from
+        its row there; their input tokens are set once read (lookahead.Ahead.fill_tokens)."""
+        rows = [scheduled[j] for j in order]
+        ids, _, _, _, seeds, idx, blocks, ps = zip(*map(_ROW, rows))
+        return cls(ids, tuple(pos.tolist()), tuple(out.tolist()), seeds, idx, ps, blocks, si, None,
+                   tuple(map(_PROMPTS, rows)), tuple(map(_OUTPUTS, rows)), tuple(rows))
 
     def sampling_rows(self, keep, out, padding):
         """The step program's sampler arrays of the next step: this step's rows `keep`,

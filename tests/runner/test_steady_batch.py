@@ -14,7 +14,7 @@ import pytest
 from jaxkv.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxkv.runner import lookahead as la
 from jaxkv.runner.input_builder import build_step_input, decode_step_input, padding_sampling
-from jaxkv.runner.steady_batch import SteadyBatch
+from jaxkv.runner.steady_batch import SteadyBatch, padded
 from jaxkv.sampling import fused_sampling as fs
 from jaxkv.sampling.params import SamplingParams
 
@@ -23,11 +23,13 @@ ROPE = (np.random.default_rng(0).random((MAX_LEN, 4), np.float32),
         np.random.default_rng(1).random((MAX_LEN, 4), np.float32))
 
 
-def _plan_input(scheduled, prev):
+def _plan_input(scheduled, prev, sources=None, prev1=None):
     """(predicted, their sources, StepInput before sampling) of the step run ahead after
     `scheduled`, as RunAhead._run_ahead makes it (every sequence's token in row i of `prev`,
-    one bucket of ROWS tokens); Nones when it is not run ahead."""
-    plan = la.plan(scheduled, {s.request_id: (0, i) for i, s in enumerate(scheduled)}, BS, MAX_LEN, ROWS)
+    unless `sources` maps its id to (output 0 or 1, row), output 1 being `prev1`; one bucket
+    of ROWS tokens); Nones when it is not run ahead."""
+    sources = sources or {s.request_id: (0, i) for i, s in enumerate(scheduled)}
+    plan = la.plan(scheduled, sources, BS, MAX_LEN, ROWS)
     if plan is None:
         return None, None, None
     predicted, index = plan
@@ -36,7 +38,8 @@ def _plan_input(scheduled, prev):
                           prev_rows=ROWS, fused_sampling=True)
     prev_index = si.prev_index.copy()
     prev_index[:len(index)] = index
-    return predicted, index, dataclasses.replace(si, prev_sampled=(prev, prev), prev_index=prev_index)
+    pair = (prev, prev if prev1 is None else prev1)
+    return predicted, index, dataclasses.replace(si, prev_sampled=pair, prev_index=prev_index)
 
 
 def _general(scheduled, prev):
@@ -264,3 +267,81 @@ def test_a_sampled_batch_refuses_other_history_lists():
     assert batch.matches(nxt) is None
     bad = SamplingParams(temperature=0, max_tokens=50, bad_words=["x"])
     assert SteadyBatch.of([dataclasses.replace(predicted[0], sampling_params=bad)], si, sr) is None
+
+
+# ---- rows dropped and joined (SteadyBatch.match_rows, join) ---------------------------------
+PREV1 = np.arange(ROWS, 2 * ROWS, dtype=np.int32)  # (the program run beside it: sampler output 1)
+
+
+def _arrival(rng, k):
+    """A prompt's last chunk admitted beside a batch (a chunk before it, sampling nothing, one
+    time in four; logprobs, which the step program does not sample, one in ten)."""
+    n, pos, kind = rng.randrange(1, 5), rng.randrange(0, 20), rng.random()
+    blocks = [200 + 13 * k + j for j in range((pos + n) // BS + 1)]  # (its lookahead slot)
+    p = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=5, max_tokens=rng.randrange(1, 20),
+                       logprobs=1 if kind > 0.9 else None)
+    return ScheduledRequest(f"n{k}", [9] * n, pos, blocks, kind > 0.25, p, 17 * k, 0, 0)
+
+
+def _mixed_step(predicted, tokens, rng, k):
+    """The scheduler's step after a batch: its rows, each dropped one time in five (finished,
+    aborted, preempted), and up to two arrivals anywhere among them."""
+    rows = [s for s in _scheduler_step(predicted, tokens, rng) if rng.random() > 0.2]
+    for i in range(rng.randrange(0, 3)):
+        rows.insert(rng.randrange(len(rows) + 1), _arrival(rng, k + i))
+    return rows
+
+
+def _joined_run(seed) -> int:
+    """One random run of steps with rows dropped and joined, each joined step's arrays checked
+    against the general path's; the number of steps joined."""
+    rng = random.Random(200 + seed)
+    predicted, si = _general(_first_step(rng, rng.randrange(1, 8)), PREV0 := np.arange(ROWS, dtype=np.int32))
+    batch, joined, k = SteadyBatch.of(predicted, si), 0, 0
+    while predicted is not None and batch is not None:
+        tokens = [rng.randrange(3, 500) for _ in predicted]
+        la.Ahead(predicted, fs.spans(predicted), None, batch).fill_tokens(
+            {q.request_id: [t] for q, t in zip(predicted, tokens)})
+        scheduled, k = _mixed_step(predicted, tokens, rng, k), k + 2
+        match = batch.match_rows(scheduled)
+        if not set(batch.ids) & {s.request_id for s in scheduled}:
+            assert match is None
+            break
+        rows = match[0]
+        assert [batch.ids[r] for r in rows if r >= 0] == [s.request_id for s, r in zip(scheduled, rows) if r >= 0]
+        rest = [s for s, r in zip(scheduled, rows) if r < 0]
+        sources = {s.request_id: (0, r) for s, r in zip(scheduled, rows) if r >= 0}
+        sources.update({x.sched.request_id: (1, x.row) for x in fs.spans(rest)})
+        predicted, _, si = _plan_input(scheduled, PREV0, sources, PREV1)
+        step = batch.join(scheduled, *match, {i: ROWS + r for i, (o, r) in sources.items() if o}, BS, MAX_LEN)
+        if predicted is None or any(q.sampling_params.logprobs for q in predicted):
+            assert step is None  # (not run ahead; the general path's, its sampler separate)
+            break
+        order, pos, out, tables, index, sampling = step
+        fast = decode_step_input(pos, tables, (PREV0, PREV1), index, padded(sampling, padding_sampling(ROWS)),
+                                 fs.mode_of([scheduled[j].sampling_params for j in order]), block_size=BS,
+                                 num_tokens=ROWS, rows=ROWS, max_blocks=MAX_BLOCKS, rope_table=ROPE,
+                                 mark_decode_only=True)
+        _assert_same_input(fs.with_sampling(si, fs.spans(predicted)), fast)
+        batch, joined = SteadyBatch.joined(scheduled, order, pos, out, fast), joined + 1
+        assert batch.ids == tuple(q.request_id for q in predicted)
+        again = [la.predict(s, BS, MAX_LEN) for s in batch.source]  # the general path's objects
+        assert [(q.num_computed_tokens, q.num_output_tokens, q.block_ids) for q in again] == \
+               [(q.num_computed_tokens, q.num_output_tokens, q.block_ids) for q in predicted]
+    return joined
+
+
+def test_rows_dropped_and_joined_build_what_the_general_path_builds():
+    assert sum(map(_joined_run, range(60))) >= 100
+
+
+def test_a_row_asked_otherwise_or_a_step_without_its_rows_is_not_joined():
+    batch, scheduled = _steady()
+    assert batch.match_rows(scheduled[1:])[0] == [1, 2]  # row 0 dropped
+    assert batch.match_rows(scheduled[::-1])[0] == [2, 1, 0]  # (any order)
+    rng = random.Random(3)
+    assert batch.match_rows([_arrival(rng, 1)]) is None  # none of its rows
+    for change in CHANGES.values():
+        batch, scheduled = _steady()
+        change(scheduled[1])
+        assert batch.match_rows([_arrival(rng, 1)] + scheduled) is None
