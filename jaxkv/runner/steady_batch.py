@@ -20,9 +20,16 @@ does, with the arrays it was sent (`sampler`, row_sampler.SamplerRows) carried o
 way (logprobs, penalties, logit_bias, allowed_token_ids): a penalty's token history is its
 request's own lists, matched by identity (as lookahead.same_step), and its arrays gain one
 column a step, the token read since written where the device wrote it (sampler.with_pending),
-the next one left to the device. Whatever its checks do not prove (a sequence admitted, preempted,
-finished or changed meanwhile) sends the step down the general path, lookahead.Ahead.split,
-whose predictions are then made from `source` (the same lookahead.predict).
+the next one left to the device.
+
+A batch sampled by its step program also takes a step that asks only some of its rows (the
+others finished, were aborted or preempted), in any order, beside sequences it did not hold
+(a prompt admitted, a prompt chunk: they run as a program of their own): `match_rows`, then
+`join` makes the step after from its arrays, the rows asked that go on joined by the new
+sequences that go on as plain decodes, in the scheduler's order. Whatever its checks do not
+prove (a row of the batch asked otherwise, a new sequence its program cannot sample) sends the
+step down the general path, lookahead.Ahead.split and lookahead.plan, whose predictions are
+then made from `source` (the same lookahead.predict).
 """
 
 from __future__ import annotations
