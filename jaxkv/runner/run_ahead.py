@@ -101,8 +101,7 @@ class RunAhead:
         if ahead is None:
             return [], out.scheduled, None
         b = ahead.batch
-        match = (b.match_rows(out.scheduled) if b is not None and b.sampler is None and self.multi_step is None
-                 else None)
+        match = b.match_rows(out.scheduled) if b is not None and self.multi_step is None else None
         if match is None:
             reuse, rest = self._predictions(ahead).split(out.scheduled)
         else:
@@ -215,21 +214,15 @@ class RunAhead:
                                block_size=self.block_size, num_tokens=t, rows=r,
                                max_blocks=self.max_blocks, rope_table=self.rope_table,
                                mark_decode_only=self.mark_decode_only)
-        if sr is not None:
-            call, args = self._sampled_step, (si, sr, (prev, prev))
-        else:
-            self.num_fused_sampling_steps += 1
-            call, args = self._fused_step, (si,)
-        sampled = (self.launcher.launch(call, *args) if self.launcher is not None and self.launch_ahead
-                   else call(*args))
-        self.num_ahead_dispatched += 1
+        sampled = self._launch_steady(si, sr, (prev, prev))
         return la.Ahead(None, None, sampled, batch.next_batch(out.scheduled, blocks, keep, pos, num_out, si, sr))
 
     def _run_ahead_joined(self, out: SchedulerOutput, ahead: la.Ahead, match, runs) -> la.Ahead | None:
         """Dispatch the step after `out` from ahead.batch's arrays (SteadyBatch.join): its
         rows `out` asked (`match`, SteadyBatch.match_rows) going on, joined by the
         sequences run now (`runs`, one program at most) that sampled and go on as plain
-        decodes. None when some cannot join, or its bucket's program would not sample."""
+        decodes (a batch the separate sampler samples joins none). None when some cannot
+        join, or its bucket's program would not sample."""
         src = {x.sched.request_id: self.prev_rows + x.row for x in runs[0][3]} if len(runs) == 1 and runs[0][3] else {}
         step = ahead.batch.join(out.scheduled, *match, src, self.block_size, self.max_model_len)
         if step is None:
@@ -241,17 +234,33 @@ class RunAhead:
             return None
         if t > min(self.fused_program_max_tokens, self.fused_sampling_max_tokens):
             return None
-        r, prev = num_rows(t, self.max_num_seqs), ahead.sampled.token_ids
-        si = decode_step_input(pos, tables, (prev, runs[0][4].token_ids if src else prev), index,
-                               padded(sampling, padding_sampling(r)),
-                               fs.mode_of([out.scheduled[j].sampling_params for j in order]),
-                               block_size=self.block_size, num_tokens=t, rows=r, max_blocks=self.max_blocks,
-                               rope_table=self.rope_table, mark_decode_only=self.mark_decode_only)
-        self.num_fused_sampling_steps += 1
-        sampled = (self.launcher.launch(self._fused_step, si) if self.launcher is not None and self.launch_ahead
-                   else self._fused_step(si))
+        r, prev, sr, batch = num_rows(t, self.max_num_seqs), ahead.sampled.token_ids, None, ahead.batch
+        params = [out.scheduled[j].sampling_params for j in order]
+        if batch.sampler is None:  # the step program samples
+            sampling, mode = padded(sampling, padding_sampling(r)), fs.mode_of(params)
+        else:  # the separate sampler, its arrays carried on (no row joined: `index` are rows kept)
+            sr = self.sampler.carry(batch.sampler, index, num_out, batch.tokens, r, params)
+            if sr is None:
+                return None
+            sampling, mode = padding_sampling(r), np.zeros(1, np.int32)
+        pair = (prev, runs[0][4].token_ids if src else prev)
+        si = decode_step_input(pos, tables, pair, index, sampling, mode, block_size=self.block_size,
+                               num_tokens=t, rows=r, max_blocks=self.max_blocks, rope_table=self.rope_table,
+                               mark_decode_only=self.mark_decode_only)
+        sampled = self._launch_steady(si, sr, pair)
+        return la.Ahead(None, None, sampled, SteadyBatch.joined(out.scheduled, order, pos, num_out, si, sr))
+
+    def _launch_steady(self, si, sr, prev):
+        """Dispatch a steady step `si` (from the launcher's thread when on), sampled by its
+        program or, with SamplerRows `sr`, by the separate sampler (`prev`: the device arrays
+        its sources index); its sampler output (a Future when launched)."""
+        if sr is not None:
+            call, args = self._sampled_step, (si, sr, prev)
+        else:
+            self.num_fused_sampling_steps += 1
+            call, args = self._fused_step, (si,)
         self.num_ahead_dispatched += 1
-        return la.Ahead(None, None, sampled, SteadyBatch.joined(out.scheduled, order, pos, num_out, si))
+        return self.launcher.launch(call, *args) if self.launcher is not None and self.launch_ahead else call(*args)
 
     def _sampled_step(self, si, sr, prev):
         """Dispatch a steady step whose rows the separate sampler samples (with SamplerRows

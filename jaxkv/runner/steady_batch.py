@@ -22,11 +22,11 @@ request's own lists, matched by identity (as lookahead.same_step), and its array
 column a step, the token read since written where the device wrote it (sampler.with_pending),
 the next one left to the device.
 
-A batch sampled by its step program also takes a step that asks only some of its rows (the
-others finished, were aborted or preempted), in any order, beside sequences it did not hold
-(a prompt admitted, a prompt chunk: they run as a program of their own): `match_rows`, then
-`join` makes the step after from its arrays, the rows asked that go on joined by the new
-sequences that go on as plain decodes, in the scheduler's order. Whatever its checks do not
+A batch also takes a step that asks only some of its rows (the others finished, were
+aborted or preempted), in any order, beside sequences it did not hold (a prompt admitted, a
+prompt chunk: they run as a program of their own): `match_rows`, then `join` makes the step
+after from its arrays, the rows asked that go on joined by the new sequences that go on as
+plain decodes (only in a batch its step program samples), in the scheduler's order. Whatever its checks do not
 prove (a row of the batch asked otherwise, a new sequence its program cannot sample) sends the
 step down the general path, lookahead.Ahead.split and lookahead.plan, whose predictions are
 then made from `source` (the same lookahead.predict).
@@ -248,7 +248,7 @@ class SteadyBatch:
         when one cannot join, some asked row's next position lies past the blocks it holds,
         or none goes on."""
         new = joining(scheduled, rows, sources, block_size, max_model_len)
-        if new is None:
+        if new is None or (new and self.sampler is not None):  # (the separate sampler's: none joins)
             return None
         every = np.array(rows)
         mine = np.flatnonzero(every >= 0)
@@ -284,13 +284,14 @@ class SteadyBatch:
                 cat(asked[keep], [new[j][1] for j in sorted(new)]).astype(np.int32), sampling)
 
     @classmethod
-    def joined(cls, scheduled, order: list[int], pos, out, si) -> SteadyBatch:
-        """The batch of the step `join` made (StepInput `si`; `order`, `pos`, `out` as it
-        returned them): rows `order` of the scheduler's step `scheduled`, each predicted from
-        its row there; their input tokens are set once read (lookahead.Ahead.fill_tokens)."""
+    def joined(cls, scheduled, order: list[int], pos, out, si, sampler=None) -> SteadyBatch:
+        """The batch of the step `join` made (StepInput `si`, the separate sampler's arrays
+        `sampler` or None; `order`, `pos`, `out` as it returned them): rows `order` of the
+        scheduler's step `scheduled`, each predicted from its row there; their input tokens
+        are set once read (lookahead.Ahead.fill_tokens)."""
         rows = [scheduled[j] for j in order]
         ids, _, _, _, seeds, idx, blocks, ps = zip(*map(_ROW, rows))
-        return cls(ids, tuple(pos.tolist()), tuple(out.tolist()), seeds, idx, ps, blocks, si, None,
+        return cls(ids, tuple(pos.tolist()), tuple(out.tolist()), seeds, idx, ps, blocks, si, sampler,
                    tuple(map(_PROMPTS, rows)), tuple(map(_OUTPUTS, rows)), tuple(rows))
 
     def sampling_rows(self, keep, out, padding):

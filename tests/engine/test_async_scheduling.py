@@ -380,17 +380,22 @@ def test_decodes_run_ahead_beside_a_chunked_prompt(tmp_path):
     assert [list(outs[k]) for k in ("0", "1", "2", "long")] == [list(o.outputs[0].token_ids) for o in sync]
 
 
-def test_finishes_and_arrivals_keep_the_steady_batch(tmp_path):
+@pytest.mark.parametrize("penalty", [None, 1.3])
+def test_finishes_and_arrivals_keep_the_steady_batch(tmp_path, penalty):
     """Requests finishing at different steps and others admitted in their place, as in an
     offline workload: the steps run ahead are taken by the steady batch's fast path with rows
     dropped and joined (SteadyBatch.match_rows and join: 81 of 82 steps on this workload;
-    54 before), with a synchronous engine's tokens and no block leaked."""
+    54 before), with a synchronous engine's tokens and no block leaked. With a repetition
+    penalty the separate sampler samples every row: rows finishing are dropped from its batch
+    (RowSampler.carry), and the step after an arrival is the general path's (81 and 54
+    too)."""
     from benchmarks.e2e_decode import TINY_CONFIG, model_folder
     from jaxkv import LLM
     rng = np.random.default_rng(9)
     ps = [{"prompt_token_ids": rng.integers(3, 500, int(k)).tolist()} for k in rng.integers(4, 20, 40)]
     sps = [SamplingParams(temperature=float(rng.choice([0, 0.8])), seed=int(i), max_tokens=int(k),
-                          ignore_eos=True) for i, k in enumerate(rng.integers(4, 24, 40))]
+                          ignore_eos=True, repetition_penalty=penalty or 1.0)
+           for i, k in enumerate(rng.integers(4, 24, 40))]
     kw = dict(model=model_folder(TINY_CONFIG, str(tmp_path)), load_format="dummy", max_model_len=64,
               max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(8, 64),
               enable_prefix_caching=False, kv_cache_memory_bytes="16MiB")

@@ -345,3 +345,53 @@ def test_a_row_asked_otherwise_or_a_step_without_its_rows_is_not_joined():
         batch, scheduled = _steady()
         change(scheduled[1])
         assert batch.match_rows([_arrival(rng, 1)] + scheduled) is None
+
+
+def _sampled_drop_run(seed) -> int:
+    """One random run of a batch the separate sampler samples, its steps asking some of its
+    rows in any order beside a prompt chunk that samples nothing; each step's carried arrays
+    checked against the general path's, and a new sequence going on refused. The number of
+    steps carried."""
+    from jaxkv.sampling.row_sampler import RowSampler
+    rng = random.Random(300 + seed)
+    sampler = RowSampler(None, vocab_size=VOCAB, max_model_len=MAX_LEN, max_logprobs=5)
+    prev = np.arange(ROWS, dtype=np.int32)
+    predicted, si, sr = _general_sampled(_first_sampled_step(rng, rng.randrange(2, ROWS + 1)), prev, sampler)
+    batch, steps = SteadyBatch.of(predicted, si, sr), 0
+    while predicted is not None:
+        tokens = [rng.randrange(3, 500) for _ in predicted]
+        la.Ahead(predicted, fs.spans(predicted), None, batch).fill_tokens(
+            {q.request_id: [t] for q, t in zip(predicted, tokens)})
+        for q, t in zip(predicted, tokens):
+            if q.output_token_ids is not None:
+                q.output_token_ids.append(t)
+        scheduled = [s for s in _scheduler_step(predicted, tokens, rng) if rng.random() > 0.2]
+        rng.shuffle(scheduled)
+        chunk = _arrival(rng, steps)
+        scheduled.insert(rng.randrange(len(scheduled) + 1), dataclasses.replace(chunk, sample=False))
+        match = batch.match_rows(scheduled)
+        if match is None:
+            assert len(scheduled) == 1
+            break
+        sources = {s.request_id: (0, r) for s, r in zip(scheduled, match[0]) if r >= 0}
+        predicted, index, si = _plan_input(scheduled, prev, sources)
+        step = batch.join(scheduled, *match, {}, BS, MAX_LEN)
+        assert (predicted is None) == (step is None)
+        if step is None:
+            break
+        order, pos, out, tables, index, _ = step
+        params = [scheduled[j].sampling_params for j in order]
+        fast = sampler.carry(batch.sampler, index, out, batch.tokens, ROWS, params)
+        _assert_same_rows(sampler.arrays(fs.spans(predicted), ROWS, index.tolist()), fast)
+        with_late = scheduled + [dataclasses.replace(chunk, request_id="late", sample=True)]
+        if not la.ends_by_length(with_late[-1], MAX_LEN):
+            assert batch.join(with_late, *batch.match_rows(with_late), {"late": ROWS}, BS, MAX_LEN) is None
+        si = decode_step_input(pos, tables, (prev, prev), index, padding_sampling(ROWS), np.zeros(1, np.int32),
+                               block_size=BS, num_tokens=ROWS, rows=ROWS, max_blocks=MAX_BLOCKS,
+                               rope_table=ROPE, mark_decode_only=True)
+        batch, steps = SteadyBatch.joined(scheduled, order, pos, out, si, fast), steps + 1
+    return steps
+
+
+def test_a_sampled_batch_drops_rows_as_the_general_path_does_but_joins_none():
+    assert sum(map(_sampled_drop_run, range(30))) >= 30
