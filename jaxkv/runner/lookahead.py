@@ -29,8 +29,9 @@ samples nothing (a prompt longer than the step's token budget): the scheduler's 
 asks its next chunk, which runs beside the step run ahead as a program of its own, as an
 arrival does. A step is run ahead when each sequence that sampled is predicted or ends by
 length: not from a step after which some sequence's next token needs a new block that its
-lookahead slot did not give it, nor while any sequence has bad_words, a grammar, drafts or
-prompt logprobs.
+lookahead slot did not give it, nor while a sequence that samples has bad_words, a grammar,
+drafts or prompt logprobs (a chunk before a prompt's last one, prompt logprobs or not, samples
+nothing).
 
 Multi-step decode (jaxkv/runner/multi_step.py, num_scheduler_steps k > 1) is predicted the
 same way: each sequence goes on from its last sampled token at the position after its last

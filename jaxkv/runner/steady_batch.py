@@ -279,9 +279,12 @@ class SteadyBatch:
             return np.concatenate([a, b])[order]
 
         sampling = type(fresh)(*map(cat, old, fresh))
-        return (js[order].tolist(), cat(pos[keep], [q.num_computed_tokens for q in qs]).astype(np.int32),
-                cat(out[keep], [q.num_output_tokens for q in qs]).astype(np.int32), cat(tables[keep], new_tables),
-                cat(asked[keep], [new[j][1] for j in sorted(new)]).astype(np.int32), sampling)
+        def ints(xs):
+            return np.array(xs, np.int32)
+
+        return (js[order].tolist(), cat(pos[keep], ints([q.num_computed_tokens for q in qs])),
+                cat(out[keep], ints([q.num_output_tokens for q in qs])), cat(tables[keep], new_tables),
+                cat(asked[keep].astype(np.int32), ints([new[j][1] for j in sorted(new)])), sampling)
 
     @classmethod
     def joined(cls, scheduled, order: list[int], pos, out, si, sampler=None) -> SteadyBatch:
