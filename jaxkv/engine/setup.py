@@ -255,6 +255,6 @@ def warm_up(runner, rc) -> None:
         return
     secs, n = runner.warmup()
     rest = [t for t in rc.token_buckets if t not in rc.warmup_token_buckets]
-    logger.info("warmup compiled %d programs in %.1f s (token buckets %s)%s", n, secs,
-                list(rc.warmup_token_buckets),
+    logger.info("warmup compiled %d programs in %.1f s on %d threads (token buckets %s)%s", n,
+                secs, runner.compile_workers, list(rc.warmup_token_buckets),
                 f"; token buckets {rest} compile in the background" if rest else "")

@@ -9,7 +9,9 @@ larger row counts its draft rows can need, ModelRunner.sample_row_counts). It lo
 (jax.ShapeDtypeStruct) and host arrays only, never from the live KV pool: the pool is donated
 to every step, so another thread's step may delete a live array while it is being lowered.
 
-Warmup compiles the warmup buckets before the engine is ready. `BackgroundCompiler` compiles
+Warmup compiles the warmup buckets before the engine is ready, side by side on
+`compile_workers()` threads (`compile_buckets`: in waves, since a bucket's sampler programs
+take the placement of its step's output). `BackgroundCompiler` compiles
 the others one after another (ascending) on a daemon thread at low priority (nice 19 on
 Linux), and switches each in (`ModelRunner.add_compiled_bucket`) only once all its programs
 exist; the runner pads every step to the smallest compiled bucket holding it, so no step waits
@@ -19,12 +21,15 @@ for a compile. JAX's persistent compilation cache keeps the programs for the nex
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -67,40 +72,109 @@ def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
     their jitted functions' caches, where the step's calls find them. Programs already there
     are skipped. Returns False, with the bucket incomplete,
     if `stopped()` turned true before one of its programs."""
-    r = num_rows(t, runner.max_num_seqs)
-    empty = SchedulerOutput([])
-    si = build_step_input(empty, block_size=runner.block_size, num_tokens=t, rows=r,
-                          max_blocks=runner.max_blocks, rope_table=runner.rope_table,
-                          prev_rows=runner.prev_rows,
-                          fused_sampling=t <= runner.fused_program_max_tokens)
+    return compile_buckets(runner, (t,), stopped)
+
+
+def compile_buckets(runner, buckets, stopped=lambda: False, workers: int = 1) -> bool:
+    """compile_bucket for each of `buckets`, on `workers` threads: in three waves (the step
+    programs of every bucket, then the gathers of their sampled rows, which tell where the
+    rows are placed, then the sampler programs of each row count, each once), each wave's
+    programs compiled side by side (XLA compiles without the GIL; the tracing before it holds
+    it). Programs compiled on the workers count in the calling thread's innermost
+    CompileCounter. The first error of a program raises here, once the wave has ended."""
     tp = getattr(runner, "mesh", None) is not None
     params = abstract(runner.params, tp)
-    programs = runner.programs
-    for decode_only in ((False, True) if t <= runner.decode_max else (False,)):
-        if (t, decode_only) not in programs.step:
+    jobs = [job for t in buckets for job in _step_jobs(runner, t, params)]
+    if not _run(jobs, workers, stopped):
+        return False
+    pairs = [(t, rs) for t in buckets for rs in runner.sample_row_counts(t)]
+    placed = {}  # row count -> the sampled rows as its gathers hand them to the sampler
+    gathers = [functools.partial(_compile_gather, runner, tp, t, rs, placed) for t, rs in pairs]
+    if not _run(gathers, workers, stopped):
+        return False
+    new = sorted(rs for rs in placed if rs not in runner.programs.sampler_rows)
+    s_jobs = [functools.partial(_compile_sampler, runner, params, tp, placed[rs], mode, masked)
+              for rs in new for mode in smp.MODES for masked in (False, True)]
+    if not _run(s_jobs, workers, stopped):
+        return False
+    runner.programs.sampler_rows.update(new)
+    return True
+
+
+def compile_workers() -> int:
+    """Threads for warmup's compiles: JAXKV_COMPILE_THREADS if set (a positive integer), else
+    the CPUs this process may run on. ValueError naming the variable for another value."""
+    given = os.environ.get("JAXKV_COMPILE_THREADS", "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"JAXKV_COMPILE_THREADS must be a positive integer, got {given!r}")
+        return int(given)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # (not on Linux)
+        return max(1, os.cpu_count() or 1)
+
+
+def _run(jobs, workers: int, stopped) -> bool:
+    """Call each of `jobs` (on `workers` threads when more than one); False, as soon as
+    `stopped()` is true before a job, with the jobs not started skipped."""
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
             if stopped():
                 return False
-            programs.step[(t, decode_only)] = runner.jitted_step.lower(
-                params, runner.kv_spec, dataclasses.replace(si, decode_only=decode_only)).compile()
+            job()
+        return True
+    counter = CompileCounter.current()
+
+    def call(job):
+        if stopped():
+            return False
+        with counter if counter is not None else contextlib.nullcontext():
+            job()
+        return True
+
+    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="jaxkv-compile") as ex:
+        futures = [ex.submit(call, job) for job in jobs]
+    return all([f.result() for f in futures])
+
+
+def _step_jobs(runner, t: int, params) -> list:
+    """The calls that compile bucket t's step programs still missing (twice with a decode
+    kernel: mixed and decode-only) and multi-step decode's k-step programs."""
+    si = build_step_input(SchedulerOutput([]), block_size=runner.block_size, num_tokens=t,
+                          rows=num_rows(t, runner.max_num_seqs), max_blocks=runner.max_blocks,
+                          rope_table=runner.rope_table, prev_rows=runner.prev_rows,
+                          fused_sampling=t <= runner.fused_program_max_tokens)
+    jobs = []
+    for decode_only in ((False, True) if t <= runner.decode_max else (False,)):
+        x = dataclasses.replace(si, decode_only=decode_only)
+        if (t, decode_only) not in runner.programs.step:
+            jobs.append(functools.partial(_compile_step, runner, params, t, x))
         if getattr(runner, "multi_step", None) is not None and t <= runner.multi_step_max_tokens:
-            if stopped():  # multi-step decode's k-step program of this decode bucket
-                return False
-            runner.multi_step.compile(params, runner.kv_spec, dataclasses.replace(si, decode_only=decode_only))
-    hidden = abstract(programs.step[(t, False)].out_info[0], tp)  # [t, hidden_size]
-    for rs in runner.sample_row_counts(t):
-        gather = programs.gather_rows.lower(hidden, np.zeros(rs, np.int32))
-        rows_out = gather.compile().out_info  # placed as the step will hand it (the mesh's, with TP)
-        if rs not in programs.sampler_rows:
-            s_arr = sampling_arrays([], rs)
-            mask = np.zeros((rs, -(-runner.vocab_size // 32)), np.int32)
-            for mode in smp.MODES:
-                for bitmask in (None, mask):  # free rows; structured outputs' masked rows
-                    if stopped():
-                        return False
-                    programs.sample.lower(params, abstract(rows_out, tp), s_arr, None, bitmask, None,
-                                          mode=mode, num_logprobs=0).compile()  # (as called)
-            programs.sampler_rows.add(rs)
-    return True
+            jobs.append(functools.partial(runner.multi_step.compile, params, runner.kv_spec, x))
+    return jobs
+
+
+def _compile_step(runner, params, t: int, si) -> None:
+    runner.programs.step[(t, si.decode_only)] = runner.jitted_step.lower(
+        params, runner.kv_spec, si).compile()
+
+
+def _compile_gather(runner, tp: bool, t: int, rs: int, placed: dict) -> None:
+    """The gather of rs sampled rows of bucket t's hidden states; records the rows'
+    placement for the sampler programs of rs rows (the mesh's, with tensor parallelism)."""
+    hidden = abstract(runner.programs.step[(t, False)].out_info[0], tp)  # [t, hidden_size]
+    out = runner.programs.gather_rows.lower(hidden, np.zeros(rs, np.int32)).compile().out_info
+    placed.setdefault(rs, out)
+
+
+def _compile_sampler(runner, params, tp: bool, rows_out, mode: str, masked: bool) -> None:
+    """The sampler program of rows shaped `rows_out` in `mode`, with structured outputs'
+    bitmask (`masked`) or without, lowered as the step calls it."""
+    rs = rows_out.shape[0]
+    mask = np.zeros((rs, -(-runner.vocab_size // 32)), np.int32) if masked else None
+    runner.programs.sample.lower(params, abstract(rows_out, tp), sampling_arrays([], rs), None,
+                                 mask, None, mode=mode, num_logprobs=0).compile()
 
 
 class BackgroundCompiler:

@@ -28,7 +28,7 @@ from jaxkv.runner import multi_step as ms
 from jaxkv.models import sharding as sh
 from jaxkv.runner.buckets import num_rows, pick_bucket, sample_row_counts, sample_rows
 from jaxkv.runner.compile_counter import CompileCounter
-from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_bucket
+from jaxkv.runner.compiler import BackgroundCompiler, Programs, compile_buckets, compile_workers
 from jaxkv.runner.input_builder import build_step_input, pending_sources, rope_tables
 from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.launcher import Launcher
@@ -95,6 +95,7 @@ class ModelRunner(RunAhead):
         self.offload = (KVOffload(self.kv_cache, cc.num_host_blocks, kv_disk_dir)
                         if cc.num_host_blocks else None)
         self.compiles = CompileCounter()  # every program this runner's calls compile
+        self.compile_workers = compile_workers()  # warmup's compile threads
         # Async scheduling (jaxkv/runner/lookahead.py, run_ahead.py; off with a mesh, several
         # processes or drafts): sampled tokens padded to prev_rows rows, read on the device by
         # a step run ahead (StepInput.prev_sampled); the step run ahead; how many (used: one
@@ -361,14 +362,14 @@ class ModelRunner(RunAhead):
         return smp.SamplerOutput(self.last_sampled_tokens, None, None, None, None)
 
     def warmup(self) -> tuple[float, int]:
-        """Compile every program of the warmup buckets (jaxkv.runner.compiler.compile_bucket)
-        and switch them in; from here on steps pad to compiled buckets only. Returns
-        (seconds, programs compiled)."""
+        """Compile every program of the warmup buckets (jaxkv.runner.compiler.compile_buckets,
+        on `compile_workers` threads) and switch them in; from here on steps pad to compiled
+        buckets only. Returns (seconds, programs compiled)."""
         t0, n0 = time.perf_counter(), self.num_compilations
         with self.compiles:
-            for t in self.warmup_token_buckets:
-                compile_bucket(self, t)
-                self.add_compiled_bucket(t)
+            compile_buckets(self, self.warmup_token_buckets, workers=self.compile_workers)
+        for t in self.warmup_token_buckets:
+            self.add_compiled_bucket(t)
         return time.perf_counter() - t0, self.num_compilations - n0
 
     def start_background_compile(self) -> BackgroundCompiler | None:

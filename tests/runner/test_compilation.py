@@ -8,11 +8,13 @@ programs compile in a fraction of a second."""
 import gc
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 from jaxkv import LLM, SamplingParams
+from jaxkv.runner import compiler
 from jaxkv.runner.model_runner import ModelRunner
 from tests.helpers import write_tiny_model
 
@@ -177,3 +179,53 @@ def test_wait_reports_all_buckets_compiled_and_eager_lists_every_bucket(tiny_mod
         assert eager.llm_engine.wait_for_background_compile(0) is True
     finally:
         eager.llm_engine.shutdown()
+
+
+def test_warmup_on_several_threads_compiles_what_one_thread_does(tiny_model):
+    """compile_buckets' waves on 3 threads: the same step and sampler programs, counted, as
+    on one thread, compiled on the workers, and nothing left for the steps to compile."""
+    made = {}
+    for workers in (1, 3):
+        threads = set()
+        step = compiler._compile_step
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("jaxkv.runner.model_runner.compile_workers", lambda: workers)
+            mp.setattr(ModelRunner, "start_background_compile", lambda self: None)
+            mp.setattr(compiler, "_compile_step",
+                       lambda *a: threads.add(threading.current_thread().name) or step(*a))
+            llm = LLM(model=tiny_model, **TINY_ENGINE)
+        try:
+            p = llm.llm_engine.runner.programs
+            made[workers] = (sorted(p.step), sorted(p.sampler_rows), llm.stats().num_compilations,
+                             _workload(llm))
+        finally:
+            llm.llm_engine.shutdown()
+        names = {n.split("_")[0] for n in threads}
+        assert names == ({"MainThread"} if workers == 1 else {"jaxkv-compile"})
+    one, three = made[1], made[3]
+    assert one[0] == [(8, False), (32, False)] and one[1] == [8]
+    assert three[:3] == one[:3] and one[2] >= 2 + 6
+    assert three[3][2] == 0 and three[3][0] == one[3][0]  # nothing compiled by a step; same tokens
+
+
+def test_a_compile_error_on_a_worker_is_raised_after_its_wave():
+    done = []
+
+    def bad():
+        raise RuntimeError("no such program")
+
+    with pytest.raises(RuntimeError, match="no such program"):
+        compiler._run([lambda: done.append(1), bad, lambda: done.append(3)], 2, lambda: False)
+    assert sorted(done) == [1, 3]  # the others ran to the end
+    assert compiler._run([bad, bad], 2, lambda: True) is False  # stopped: none started
+
+
+def test_compile_threads_from_the_environment(monkeypatch):
+    monkeypatch.setenv("JAXKV_COMPILE_THREADS", "3")
+    assert compiler.compile_workers() == 3
+    monkeypatch.delenv("JAXKV_COMPILE_THREADS")
+    assert compiler.compile_workers() >= 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("JAXKV_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match=f"JAXKV_COMPILE_THREADS must be a positive integer, got '{bad}'"):
+            compiler.compile_workers()
