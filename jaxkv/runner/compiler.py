@@ -66,36 +66,39 @@ def abstract(tree, sharded: bool = False):
         x.shape, x.dtype, sharding=getattr(x, "sharding", None) if sharded else None), tree)
 
 
-def compile_bucket(runner, t: int, stopped=lambda: False) -> bool:
+def compile_bucket(runner, t: int, stopped=lambda: False, workers: int = 1) -> bool:
     """Compile every program of token bucket `t` into `runner.programs` (a ModelRunner's
     `Programs`): the step executables into its table, the gather and sampler programs into
     their jitted functions' caches, where the step's calls find them. Programs already there
     are skipped. Returns False, with the bucket incomplete,
     if `stopped()` turned true before one of its programs."""
-    return compile_buckets(runner, (t,), stopped)
+    return compile_buckets(runner, (t,), stopped, workers, low_priority=workers > 1)
 
 
-def compile_buckets(runner, buckets, stopped=lambda: False, workers: int = 1) -> bool:
+def compile_buckets(runner, buckets, stopped=lambda: False, workers: int = 1,
+                    low_priority: bool = False) -> bool:
     """compile_bucket for each of `buckets`, on `workers` threads: in three waves (the step
     programs of every bucket, then the gathers of their sampled rows, which tell where the
     rows are placed, then the sampler programs of each row count, each once), each wave's
     programs compiled side by side (XLA compiles without the GIL; the tracing before it holds
     it). Programs compiled on the workers count in the calling thread's innermost
-    CompileCounter. The first error of a program raises here, once the wave has ended."""
+    CompileCounter; `low_priority`: the workers run at nice 19 (the background compiler's).
+    The first error of a program raises here, once the wave has ended."""
     tp = getattr(runner, "mesh", None) is not None
     params = abstract(runner.params, tp)
     jobs = [job for t in buckets for job in _step_jobs(runner, t, params)]
-    if not _run(jobs, workers, stopped):
+    run = functools.partial(_run, workers=workers, stopped=stopped, low_priority=low_priority)
+    if not run(jobs):
         return False
     pairs = [(t, rs) for t in buckets for rs in runner.sample_row_counts(t)]
     placed = {}  # row count -> the sampled rows as its gathers hand them to the sampler
     gathers = [functools.partial(_compile_gather, runner, tp, t, rs, placed) for t, rs in pairs]
-    if not _run(gathers, workers, stopped):
+    if not run(gathers):
         return False
     new = sorted(rs for rs in placed if rs not in runner.programs.sampler_rows)
     s_jobs = [functools.partial(_compile_sampler, runner, params, tp, placed[rs], mode, masked)
               for rs in new for mode in smp.MODES for masked in (False, True)]
-    if not _run(s_jobs, workers, stopped):
+    if not run(s_jobs):
         return False
     runner.programs.sampler_rows.update(new)
     return True
@@ -115,9 +118,10 @@ def compile_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _run(jobs, workers: int, stopped) -> bool:
-    """Call each of `jobs` (on `workers` threads when more than one); False, as soon as
-    `stopped()` is true before a job, with the jobs not started skipped."""
+def _run(jobs, workers: int, stopped, low_priority: bool = False) -> bool:
+    """Call each of `jobs` (on `workers` threads when more than one, at nice 19 with
+    `low_priority`); False, as soon as `stopped()` is true before a job, with the jobs not
+    started skipped."""
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             if stopped():
@@ -133,7 +137,8 @@ def _run(jobs, workers: int, stopped) -> bool:
             job()
         return True
 
-    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="jaxkv-compile") as ex:
+    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="jaxkv-compile",
+                            initializer=_lower_this_threads_priority if low_priority else None) as ex:
         futures = [ex.submit(call, job) for job in jobs]
     return all([f.result() for f in futures])
 
@@ -179,13 +184,16 @@ def _compile_sampler(runner, params, tp: bool, rows_out, mode: str, masked: bool
 
 class BackgroundCompiler:
     """Compiles `buckets` of `runner` on a daemon thread, in the order given, each switched in
-    once all its programs are compiled. `stop()` ends it after the program in flight (XLA
-    cannot be interrupted mid-compile); at interpreter exit every one still running is
-    stopped and joined, since a compile cut off by the exit aborts the process."""
+    once all its programs are compiled; with `workers` > 1 a bucket's programs compile side by
+    side on that many threads (compile_buckets' waves, at nice 19 too). `stop()` ends it after
+    the programs in flight (XLA cannot be interrupted mid-compile); at interpreter exit every
+    one still running is stopped and joined, since a compile cut off by the exit aborts the
+    process."""
 
-    def __init__(self, runner, buckets: tuple[int, ...]):
+    def __init__(self, runner, buckets: tuple[int, ...], workers: int = 1):
         self.runner = runner
         self.buckets = tuple(buckets)
+        self.workers = workers  # threads compiling one bucket's programs side by side
         self.compiles = CompileCounter()  # programs this thread compiled (or read from cache)
         self.seconds: float | None = None  # wall time, once every bucket is in
         self.error: BaseException | None = None
@@ -227,7 +235,7 @@ class BackgroundCompiler:
         try:
             with self.compiles:
                 for t in self.buckets:
-                    if not compile_bucket(self.runner, t, self._stop.is_set):
+                    if not compile_bucket(self.runner, t, self._stop.is_set, self.workers):
                         logger.info("background compile stopped; token buckets compiled: %s",
                                     list(self.runner.compiled_token_buckets))
                         return

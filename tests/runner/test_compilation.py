@@ -6,6 +6,7 @@ The background-compile tests use a tiny random model (2 layers, load_format="dum
 programs compile in a fraction of a second."""
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -229,3 +230,33 @@ def test_compile_threads_from_the_environment(monkeypatch):
         monkeypatch.setenv("JAXKV_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match=f"JAXKV_COMPILE_THREADS must be a positive integer, got '{bad}'"):
             compiler.compile_workers()
+
+
+def test_the_background_compiler_on_a_many_core_machine_uses_a_quarter_of_its_threads(tiny_model):
+    """8 CPUs: warmup on 8 threads, the background compiler's waves on 2 at nice 19 (the
+    sampler programs of row counts 1, 2 and 4, which only the background buckets need)."""
+    made = []
+    sampler = compiler._compile_sampler
+
+    def spy(runner, params, tp, rows_out, mode, masked):
+        me = threading.current_thread()
+        made.append((rows_out.shape[0], me.name.split("_")[0],
+                     os.getpriority(os.PRIO_PROCESS, me.native_id)))
+        return sampler(runner, params, tp, rows_out, mode, masked)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("jaxkv.runner.model_runner.compile_workers", lambda: 8)
+        mp.setattr(compiler, "_compile_sampler", spy)
+        llm = LLM(model=tiny_model, **TINY_ENGINE)
+        try:
+            bg = llm.llm_engine.runner.background
+            assert bg.workers == 2 and bg.wait(120) and bg.error is None
+            assert llm.stats().compiled_token_buckets == ALL
+            outs, seen, n = _workload(llm)
+        finally:
+            llm.llm_engine.shutdown()
+    assert seen == set(ALL) and n == 0
+    late = [(name, nice) for rs, name, nice in made if rs in (1, 2, 4)]
+    assert len(late) == 3 * 2 * 3 and set(late) == {("jaxkv-compile", 19)}
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # (the test's own)
+    assert {(name, nice) for rs, name, nice in made if rs == 8} == {("jaxkv-compile", base)}
