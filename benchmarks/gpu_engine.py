@@ -32,6 +32,8 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
   warmup   the offline engine's start (default token buckets). The script turns the
            compilation cache off unless JAXKV_COMPILATION_CACHE says otherwise, but the
            engines before it compiled in the same process: an upper bound of cold it is not.
+           Its row says on how many threads warmup compiled (one per CPU since 2026-12-06;
+           JAXKV_COMPILE_THREADS=1 is the 2026-12-04 run's single thread).
   offline  that engine on FULL["offline_requests"] requests (prompts of 32-512 random
            tokens, outputs of 32-384; issue 38's workload has 1,000): output and total tok/s.
   serving  the same engine under AsyncLLM, requests arriving at a fixed rate: TTFT and ITL
@@ -245,7 +247,7 @@ def offline_engine(folder: str, p: dict, rows: Rows, backend: str):
               max_model_len=p["max_model_len"], max_num_seqs=p["max_num_seqs"],
               kv_cache_memory_bytes=p["kv"], **buckets)
     rows.add(stage="warmup", seconds=round(time.perf_counter() - t0, 1),
-             programs=llm.stats().num_compilations,
+             programs=llm.stats().num_compilations, compile_threads=llm.llm_engine.runner.compile_workers,
              token_buckets=list(llm.stats().token_buckets))
     return llm
 
