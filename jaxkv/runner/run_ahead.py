@@ -220,8 +220,8 @@ class RunAhead:
     def _run_ahead_joined(self, out: SchedulerOutput, ahead: la.Ahead, match, runs) -> la.Ahead | None:
         """Dispatch the step after `out` from ahead.batch's arrays (SteadyBatch.join): its
         rows `out` asked (`match`, SteadyBatch.match_rows) going on, joined by the
-        sequences run now (`runs`, one program at most) that sampled and go on as plain
-        decodes (a batch the separate sampler samples joins none). None when some cannot
+        sequences run now (`runs`, one program at most) that sampled and go on as one-token
+        decodes (a batch its step program samples joins only rows it can sample). None when some cannot
         join, or its bucket's program would not sample."""
         src = {x.sched.request_id: self.prev_rows + x.row for x in runs[0][3]} if len(runs) == 1 and runs[0][3] else {}
         step = ahead.batch.join(out.scheduled, *match, src, self.block_size, self.max_model_len)
@@ -238,8 +238,8 @@ class RunAhead:
         params = [out.scheduled[j].sampling_params for j in order]
         if batch.sampler is None:  # the step program samples
             sampling, mode = padded(sampling, padding_sampling(r)), fs.mode_of(params)
-        else:  # the separate sampler, its arrays carried on (no row joined: `index` are rows kept)
-            sr = self.sampler.carry(batch.sampler, index, num_out, batch.tokens, r, params)
+        else:  # the separate sampler: the rows kept carried on, the new ones' merged in
+            sr = self._joined_sampler_rows(out.scheduled, match[0], order, index, num_out, batch, r, params)
             if sr is None:
                 return None
             sampling, mode = padding_sampling(r), np.zeros(1, np.int32)
@@ -249,6 +249,22 @@ class RunAhead:
                                mark_decode_only=self.mark_decode_only)
         sampled = self._launch_steady(si, sr, pair)
         return la.Ahead(None, None, sampled, SteadyBatch.joined(out.scheduled, order, pos, num_out, si, sr))
+
+    def _joined_sampler_rows(self, scheduled, rows, order, index, num_out, batch, r: int, params):
+        """The separate sampler's rows of a joined step (SteadyBatch.join's `order`, `index`,
+        `num_out`; `rows`: match_rows'): the batch's rows kept, carried on (RowSampler.carry),
+        and the new sequences', built from their predictions with their tokens pending in the
+        step's second output (RowSampler.arrays), merged in the step's order. None when a
+        history outgrows its width."""
+        is_new = np.fromiter((rows[j] < 0 for j in order), bool, len(order))
+        kept = self.sampler.carry(batch.sampler, index[~is_new], num_out[~is_new], batch.tokens, r,
+                                  [p for p, x in zip(params, is_new) if not x])
+        if kept is None or not is_new.any():
+            return kept
+        qs = [la.predict(scheduled[j], self.block_size, self.max_model_len)
+              for j, x in zip(order, is_new) if x]
+        fresh = self.sampler.arrays(fs.spans(qs), len(qs), index[is_new].tolist())
+        return self.sampler.merge(kept, fresh, is_new, index, r, params)
 
     def _launch_steady(self, si, sr, prev):
         """Dispatch a steady step `si` (from the launcher's thread when on), sampled by its

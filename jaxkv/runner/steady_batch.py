@@ -26,7 +26,9 @@ A batch also takes a step that asks only some of its rows (the others finished, 
 aborted or preempted), in any order, beside sequences it did not hold (a prompt admitted, a
 prompt chunk: they run as a program of their own): `match_rows`, then `join` makes the step
 after from its arrays, the rows asked that go on joined by the new sequences that go on as
-plain decodes (only in a batch its step program samples), in the scheduler's order. Whatever its checks do not
+one-token decodes, in the scheduler's order (in a batch the separate sampler samples, their
+sampler rows built from their predictions and merged with the rows carried on,
+row_sampler.RowSampler.merge; a batch its step program samples joins only rows it can sample). Whatever its checks do not
 prove (a row of the batch asked otherwise, a new sequence its program cannot sample) sends the
 step down the general path, lookahead.Ahead.split and lookahead.plan, whose predictions are
 then made from `source` (the same lookahead.predict).
@@ -87,13 +89,15 @@ def padded(rows, padding):
     return type(rows)(*(np.concatenate([a, pad[len(a):]]) for a, pad in zip(rows, padding)))
 
 
-def joining(scheduled, rows: list[int], sources: dict, block_size: int, max_model_len: int) -> dict | None:
+def joining(scheduled, rows: list[int], sources: dict, block_size: int, max_model_len: int,
+            sampled: bool = False) -> dict | None:
     """The sequences of the step `scheduled` a batch did not hold (`rows` -1, as
     SteadyBatch.match_rows gives them) that go on: {index in `scheduled`: (its prediction,
     lookahead.predict's; its input token's index in the step's two sampler outputs,
     `sources` by request id)}, leaving out prompt chunks that sample nothing and those that
-    end by length now; None when one cannot join a batch whose step program samples every
-    row (not a plain one-token decode, or not predicted)."""
+    end by length now; None when one cannot join (not a plain one-token decode, not
+    predicted, or, in a batch whose step program samples every row (`sampled` False), a row
+    only the separate sampler samples)."""
     new = {}
     for j, s in enumerate(scheduled):
         if rows[j] >= 0 or not s.sample:
@@ -101,7 +105,8 @@ def joining(scheduled, rows: list[int], sources: dict, block_size: int, max_mode
         q = predict(s, block_size, max_model_len)
         if q is None and ends_by_length(s, max_model_len):
             continue
-        if q is None or not plain_rows([q]) or not _fused(q.sampling_params) or s.request_id not in sources:
+        if (q is None or not plain_rows([q]) or not (sampled or _fused(q.sampling_params))
+                or s.request_id not in sources):
             return None
         new[j] = (q, sources[s.request_id])
     return new
@@ -247,8 +252,8 @@ class SteadyBatch:
         tables, int32 [m, B]; the step program's sampler rows, SamplingArrays [m]) - or None
         when one cannot join, some asked row's next position lies past the blocks it holds,
         or none goes on."""
-        new = joining(scheduled, rows, sources, block_size, max_model_len)
-        if new is None or (new and self.sampler is not None):  # (the separate sampler's: none joins)
+        new = joining(scheduled, rows, sources, block_size, max_model_len, self.sampler is not None)
+        if new is None:
             return None
         every = np.array(rows)
         mine = np.flatnonzero(every >= 0)

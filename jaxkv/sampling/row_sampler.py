@@ -9,6 +9,7 @@ How many rows a step samples is the runner's (its token buckets: jaxkv.runner.bu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -142,6 +143,39 @@ class RowSampler:
         lp = max(1, self.max_logprobs) if any(p.logprobs is not None for p in params) else 0
         return SamplerRows(rows.sampler_mode(params), lp, s_arr, pen, None, src, col)
 
+    def merge(self, kept: SamplerRows, fresh: SamplerRows, is_new: np.ndarray, sources,
+              r: int, params) -> SamplerRows:
+        """The sampler rows of a step whose rows (bool `is_new` [m], in the step's order) are
+        rows carried on (`kept`, from carry, whose arrays it edits: its first rows, in that
+        order) and new ones (`fresh`, from arrays of their predictions: its first rows, in
+        that order), padded to `r` rows; `sources` (int [m]): each row's pending token in the
+        step before's two outputs (as arrays'); `params`: the m rows' SamplingParams. Each
+        padded penalty field takes the wider of its two widths; a side without penalty arrays
+        gives its rows the padding's fills, and a row without a history no pending column."""
+        m = len(is_new)
+        at_k, at_f = np.flatnonzero(~is_new), np.flatnonzero(is_new)
+        n, in_place = len(at_k), bool((at_k == np.arange(len(at_k))).all())  # (new rows last)
+        put = functools.partial(_put, r=r, at=(at_k, at_f), in_place=in_place)
+        sampling = type(kept.sampling)(*(put((x, y), pad[0]) for x, y, pad in
+                                         zip(kept.sampling, fresh.sampling, rows.sampling_arrays([], 1))))
+        pen = src = col = None
+        if kept.penalties is not None or fresh.penalties is not None:
+            fills = rows.penalty_padding(self.vocab_size)
+            pen = smp.PenaltyArrays(*(put((None if kept.penalties is None else kept.penalties[f],
+                                           None if fresh.penalties is None else fresh.penalties[f]), fill)
+                                      for f, fill in enumerate(fills)))
+            width = pen.output_ids.shape[1]
+            c_ = np.full(m, width, np.int32)
+            for sr, at, k in ((kept, at_k, n), (fresh, at_f, m - n)):
+                if sr.column is not None:  # (its "none" marker, its own width, becomes ours)
+                    c = sr.column[:k]
+                    c_[at] = np.where(c >= sr.penalties.output_ids.shape[1], width, c)
+            if (c_ < width).any():  # (as arrays: no fill when no row has a history)
+                src, col = np.zeros(r, np.int32), np.full(r, width, np.int32)
+                src[:m], col[:m] = sources, c_
+        lp = max(1, self.max_logprobs) if any(p.logprobs is not None for p in params) else 0
+        return SamplerRows(rows.sampler_mode(params), lp, sampling, pen, None, src, col)
+
     def collect(self, res, sampled, spans) -> None:
         """Read the sampler's output to the host into RunnerOutput `res`: each span's kept
         tokens (and logprobs)."""
@@ -179,3 +213,23 @@ class RowSampler:
             if n:
                 sl = slice(qsl[i], qsl[i] + n)
                 res.prompt_logprobs[s.request_id] = (o[0][sl], o[1][sl], o[2][sl, :k], o[3][sl, :k])
+
+
+def _put(sides, fill, *, r: int, at, in_place: bool) -> np.ndarray:
+    """One field of RowSampler.merge: the kept side's first rows (of an array of r rows whose
+    other rows hold `fill`, or None: fill) to rows at[0], the fresh side's first rows (or
+    None) to rows at[1], in an array of r rows as wide as the wider side, `fill` elsewhere:
+    the kept side's own array when its rows stay in place and it is that wide."""
+    kept, fresh = sides
+    like = kept if kept is not None else fresh
+    wide = like.ndim == 2
+    width = max(a.shape[1] for a in sides if a is not None) if wide else 0
+    if kept is not None and in_place and (not wide or kept.shape[1] == width):
+        out = kept
+    else:
+        out = np.full((r, width) if wide else (r,), fill, like.dtype)
+        if kept is not None:
+            out[(at[0], *([slice(kept.shape[1])] if wide else []))] = kept[:len(at[0])]
+    if fresh is not None:
+        out[(at[1], *([slice(fresh.shape[1])] if wide else []))] = fresh[:len(at[1])]
+    return out

@@ -381,16 +381,20 @@ def test_decodes_run_ahead_beside_a_chunked_prompt(tmp_path):
 
 
 @pytest.mark.parametrize("penalty", [None, 1.3])
-def test_finishes_and_arrivals_keep_the_steady_batch(tmp_path, penalty):
+def test_finishes_and_arrivals_keep_the_steady_batch(tmp_path, penalty, monkeypatch):
     """Requests finishing at different steps and others admitted in their place, as in an
     offline workload: the steps run ahead are taken by the steady batch's fast path with rows
     dropped and joined (SteadyBatch.match_rows and join: 81 of 82 steps on this workload;
-    54 before), with a synchronous engine's tokens and no block leaked. With a repetition
-    penalty the separate sampler samples every row: rows finishing are dropped from its batch
-    (RowSampler.carry), and the step after an arrival is the general path's (81 and 54
-    too)."""
+    54 before), with a synchronous engine's tokens and no block leaked; only the first step
+    run ahead is planned by the general path (lookahead.plan). With a repetition penalty the
+    separate sampler samples every row: rows finishing are dropped from its batch
+    (RowSampler.carry) and new ones merged in (RowSampler.merge; before, the 27 steps after
+    an arrival were the general path's)."""
     from benchmarks.e2e_decode import TINY_CONFIG, model_folder
     from jaxkv import LLM
+    from jaxkv.runner import lookahead as la
+    planned, plan = [], la.plan
+    monkeypatch.setattr(la, "plan", lambda *a, **k: planned.append(1) or plan(*a, **k))
     rng = np.random.default_rng(9)
     ps = [{"prompt_token_ids": rng.integers(3, 500, int(k)).tolist()} for k in rng.integers(4, 20, 40)]
     sps = [SamplingParams(temperature=float(rng.choice([0, 0.8])), seed=int(i), max_tokens=int(k),
@@ -404,6 +408,7 @@ def test_finishes_and_arrivals_keep_the_steady_batch(tmp_path, penalty):
     s = llm.llm_engine.stats()
     assert s.num_async_steps_used / s.num_steps >= 0.9
     assert s.num_async_steps_steady / s.num_steps >= 0.8, (s.num_async_steps_steady, s.num_steps)
+    assert len(planned) <= 2, len(planned)
     kv = llm.llm_engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_total_blocks
     sync = LLM(**kw, async_scheduling=False).generate(ps, sps, use_tqdm=False)

@@ -347,17 +347,36 @@ def test_a_row_asked_otherwise_or_a_step_without_its_rows_is_not_joined():
         assert batch.match_rows([_arrival(rng, 1)] + scheduled) is None
 
 
+def _sampled_arrival(rng, k):
+    """A prompt's last chunk admitted beside a batch the separate sampler samples: plain,
+    with penalties (its own history lists) or logprobs."""
+    s = _arrival(rng, k)
+    s.sample = True
+    kind = rng.choice([dict(repetition_penalty=1.3), dict(frequency_penalty=0.4), dict(logprobs=2), {}])
+    s.sampling_params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=5,
+                                       max_tokens=rng.randrange(1, 20), **kind)
+    if s.sampling_params.has_penalties:
+        s.prompt_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
+        s.output_token_ids = []
+    return s
+
+
 def _sampled_drop_run(seed) -> int:
     """One random run of a batch the separate sampler samples, its steps asking some of its
-    rows in any order beside a prompt chunk that samples nothing; each step's carried arrays
-    checked against the general path's, and a new sequence going on refused. The number of
-    steps carried."""
+    rows in any order beside a prompt chunk that samples nothing and up to two new sequences
+    that sampled their first token (from the second sampler output); each step's sampler
+    rows (RunAhead._joined_sampler_rows: carried, fresh, merged) checked against the general
+    path's. The number of steps joined with a new row."""
+    from types import SimpleNamespace
+
+    from jaxkv.runner.run_ahead import RunAhead
     from jaxkv.sampling.row_sampler import RowSampler
     rng = random.Random(300 + seed)
     sampler = RowSampler(None, vocab_size=VOCAB, max_model_len=MAX_LEN, max_logprobs=5)
+    runner = SimpleNamespace(sampler=sampler, block_size=BS, max_model_len=MAX_LEN)
     prev = np.arange(ROWS, dtype=np.int32)
-    predicted, si, sr = _general_sampled(_first_sampled_step(rng, rng.randrange(2, ROWS + 1)), prev, sampler)
-    batch, steps = SteadyBatch.of(predicted, si, sr), 0
+    predicted, si, sr = _general_sampled(_first_sampled_step(rng, rng.randrange(2, ROWS - 2)), prev, sampler)
+    batch, steps, joined = SteadyBatch.of(predicted, si, sr), 0, 0
     while predicted is not None:
         tokens = [rng.randrange(3, 500) for _ in predicted]
         la.Ahead(predicted, fs.spans(predicted), None, batch).fill_tokens(
@@ -367,31 +386,61 @@ def _sampled_drop_run(seed) -> int:
                 q.output_token_ids.append(t)
         scheduled = [s for s in _scheduler_step(predicted, tokens, rng) if rng.random() > 0.2]
         rng.shuffle(scheduled)
-        chunk = _arrival(rng, steps)
+        chunk = _arrival(rng, 3 * steps)
         scheduled.insert(rng.randrange(len(scheduled) + 1), dataclasses.replace(chunk, sample=False))
+        for k in range(rng.randrange(0, 3) if len(scheduled) < ROWS - 2 else 0):
+            scheduled.insert(rng.randrange(len(scheduled) + 1), _sampled_arrival(rng, 3 * steps + 1 + k))
         match = batch.match_rows(scheduled)
         if match is None:
-            assert len(scheduled) == 1
+            assert all(s.request_id[0] == "n" for s in scheduled)
             break
         sources = {s.request_id: (0, r) for s, r in zip(scheduled, match[0]) if r >= 0}
-        predicted, index, si = _plan_input(scheduled, prev, sources)
-        step = batch.join(scheduled, *match, {}, BS, MAX_LEN)
+        rest = [s for s, r in zip(scheduled, match[0]) if r < 0 and s.sample]
+        sources.update({x.sched.request_id: (1, x.row) for x in fs.spans(rest)})
+        predicted, index, si = _plan_input(scheduled, prev, sources, PREV1)
+        step = batch.join(scheduled, *match, {i: ROWS + r for i, (o, r) in sources.items() if o}, BS, MAX_LEN)
         assert (predicted is None) == (step is None)
         if step is None:
             break
         order, pos, out, tables, index, _ = step
         params = [scheduled[j].sampling_params for j in order]
-        fast = sampler.carry(batch.sampler, index, out, batch.tokens, ROWS, params)
+        fast = RunAhead._joined_sampler_rows(runner, scheduled, match[0], order, np.asarray(index), out,
+                                             batch, ROWS, params)
         _assert_same_rows(sampler.arrays(fs.spans(predicted), ROWS, index.tolist()), fast)
-        with_late = scheduled + [dataclasses.replace(chunk, request_id="late", sample=True)]
-        if not la.ends_by_length(with_late[-1], MAX_LEN):
-            assert batch.join(with_late, *batch.match_rows(with_late), {"late": ROWS}, BS, MAX_LEN) is None
-        si = decode_step_input(pos, tables, (prev, prev), index, padding_sampling(ROWS), np.zeros(1, np.int32),
+        joined += any(match[0][j] < 0 for j in order)
+        si = decode_step_input(pos, tables, (prev, PREV1), index, padding_sampling(ROWS), np.zeros(1, np.int32),
                                block_size=BS, num_tokens=ROWS, rows=ROWS, max_blocks=MAX_BLOCKS,
                                rope_table=ROPE, mark_decode_only=True)
         batch, steps = SteadyBatch.joined(scheduled, order, pos, out, si, fast), steps + 1
-    return steps
+    return joined
 
 
-def test_a_sampled_batch_drops_rows_as_the_general_path_does_but_joins_none():
-    assert sum(map(_sampled_drop_run, range(30))) >= 30
+def test_a_sampled_batch_drops_and_joins_rows_as_the_general_path_does():
+    assert sum(map(_sampled_drop_run, range(40))) >= 30
+
+
+@pytest.mark.parametrize("kept_pen", [True, False])
+def test_merged_sampler_rows_take_the_wider_side_as_arrays_of_every_row_do(kept_pen):
+    """RowSampler.merge of rows with short histories (token-id width 512) and a long one
+    (4096), or of rows without penalty arrays: the arrays RowSampler.arrays builds for every
+    row at once, pending columns included."""
+    from jaxkv.sampling.row_sampler import RowSampler
+    sampler = RowSampler(None, vocab_size=VOCAB, max_model_len=5000, max_logprobs=5)
+    rng = random.Random(5)
+
+    def row(i, n_prompt, pen=True, **kw):
+        p = SamplingParams(temperature=0, max_tokens=100, repetition_penalty=1.2 if pen else 1.0, **kw)
+        prompt = [rng.randrange(VOCAB) for _ in range(n_prompt)] if pen else None
+        outs = [rng.randrange(VOCAB) for _ in range(3)] if pen else None
+        return ScheduledRequest(f"m{i}", [0], 700, [1], True, p, 0, 0, 4, prompt, outs)
+
+    kept = [row(0, 10, kept_pen), row(1, 5, pen=False)]
+    fresh = [row(2, 600), row(3, 3, pen=False, logit_bias={5: 1.0})]
+    final, is_new = [fresh[0], kept[0], kept[1], fresh[1]], np.array([True, False, False, True])
+    sources = np.array([16, 1, 2, 17], np.int32)
+    merged = sampler.merge(sampler.arrays(fs.spans(kept), 2, [1, 2]),
+                           sampler.arrays(fs.spans(fresh), 2, [16, 17]), is_new, sources, 8,
+                           [s.sampling_params for s in final])
+    expected = sampler.arrays(fs.spans(final), 8, sources.tolist())
+    assert expected.penalties.output_ids.shape[1] == 4096
+    _assert_same_rows(expected, merged)
