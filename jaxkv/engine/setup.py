@@ -100,12 +100,14 @@ def build_engine(cls, args):
 
     from jaxkv.loader.source import load_checkpoint, load_tokenizer
     from jaxkv.runner import multiprocess
+    from jaxkv.runner.compiler import compile_workers
     from jaxkv.runner.model_runner import ModelRunner
 
     t0 = time.perf_counter()
     if multiprocess.wanted(args):  # before JAX starts its backends
         multiprocess.initialize(args)
     enable_compilation_cache()
+    compile_workers()  # (a bad JAXKV_COMPILE_THREADS fails here, before the weights load)
     ckpt = load_checkpoint(args.model, args.load_format, keep_quantized=args.quantization == "gguf",
                            with_tokenizer=args.tokenizer is None)
     tokenizer = ckpt.tokenizer if args.tokenizer is None else load_tokenizer(args.tokenizer)

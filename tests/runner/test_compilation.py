@@ -221,7 +221,7 @@ def test_a_compile_error_on_a_worker_is_raised_after_its_wave():
     assert compiler._run([bad, bad], 2, lambda: True) is False  # stopped: none started
 
 
-def test_compile_threads_from_the_environment(monkeypatch):
+def test_compile_threads_from_the_environment(monkeypatch, tiny_model):
     monkeypatch.setenv("JAXKV_COMPILE_THREADS", "3")
     assert compiler.compile_workers() == 3
     monkeypatch.delenv("JAXKV_COMPILE_THREADS")
@@ -230,6 +230,8 @@ def test_compile_threads_from_the_environment(monkeypatch):
         monkeypatch.setenv("JAXKV_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match=f"JAXKV_COMPILE_THREADS must be a positive integer, got '{bad}'"):
             compiler.compile_workers()
+    with pytest.raises(ValueError, match="JAXKV_COMPILE_THREADS"):  # the engine's build, at once
+        LLM(model=tiny_model, **TINY_ENGINE)
 
 
 def test_the_background_compiler_on_a_many_core_machine_uses_a_quarter_of_its_threads(tiny_model):
