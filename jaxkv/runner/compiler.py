@@ -13,7 +13,8 @@ Warmup compiles the warmup buckets before the engine is ready, side by side on
 `compile_workers()` threads (`compile_buckets`: in waves, since a bucket's sampler programs
 take the placement of its step's output). `BackgroundCompiler` compiles
 the others one after another (ascending) on a daemon thread at low priority (nice 19 on
-Linux), and switches each in (`ModelRunner.add_compiled_bucket`) only once all its programs
+Linux; a bucket's programs side by side on a quarter of warmup's threads when those are 8 or
+more), and switches each in (`ModelRunner.add_compiled_bucket`) only once all its programs
 exist; the runner pads every step to the smallest compiled bucket holding it, so no step waits
 for a compile. JAX's persistent compilation cache keeps the programs for the next start.
 """
@@ -71,7 +72,8 @@ def compile_bucket(runner, t: int, stopped=lambda: False, workers: int = 1) -> b
     `Programs`): the step executables into its table, the gather and sampler programs into
     their jitted functions' caches, where the step's calls find them. Programs already there
     are skipped. Returns False, with the bucket incomplete,
-    if `stopped()` turned true before one of its programs."""
+    if `stopped()` turned true before one of its programs. `workers` > 1: compile_buckets'
+    waves on that many threads, at nice 19 (the background compiler's)."""
     return compile_buckets(runner, (t,), stopped, workers, low_priority=workers > 1)
 
 
@@ -106,12 +108,17 @@ def compile_buckets(runner, buckets, stopped=lambda: False, workers: int = 1,
 
 def compile_workers() -> int:
     """Threads for warmup's compiles: JAXKV_COMPILE_THREADS if set (a positive integer), else
-    the CPUs this process may run on. ValueError naming the variable for another value."""
+    the CPUs this process may run on (its affinity: a container's CPU quota is not read).
+    ValueError naming the variable for another value."""
     given = os.environ.get("JAXKV_COMPILE_THREADS", "").strip()
     if given:
-        if not given.isdigit() or int(given) < 1:
+        try:
+            n = int(given)
+        except ValueError:
+            n = 0
+        if n < 1:
             raise ValueError(f"JAXKV_COMPILE_THREADS must be a positive integer, got {given!r}")
-        return int(given)
+        return n
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # (not on Linux)
@@ -219,7 +226,7 @@ class BackgroundCompiler:
         return self._done.wait(timeout)
 
     def cancel(self) -> None:
-        """Ask the thread to stop after the program in flight; returns at once."""
+        """Ask the thread to stop after the programs in flight; returns at once."""
         self._stop.set()
 
     def stop(self, timeout: float | None = None) -> bool:

@@ -379,7 +379,7 @@ class ModelRunner(RunAhead):
         rest = tuple(t for t in self.token_buckets if t not in self.compiled_token_buckets)
         if not rest or not self.compiled_token_buckets or self.background is not None:
             return None
-        # (a quarter of warmup's threads: steps come first; one below 8 CPUs)
+        # (a quarter of warmup's threads: steps come first; one below 8 of them)
         self.background = BackgroundCompiler(self, rest, max(1, self.compile_workers // 4)).start()
         return self.background
 

@@ -226,7 +226,7 @@ def test_compile_threads_from_the_environment(monkeypatch, tiny_model):
     assert compiler.compile_workers() == 3
     monkeypatch.delenv("JAXKV_COMPILE_THREADS")
     assert compiler.compile_workers() >= 1
-    for bad in ("0", "two", "-1"):
+    for bad in ("0", "two", "-1", "3.0", "\u00b2"):
         monkeypatch.setenv("JAXKV_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match=f"JAXKV_COMPILE_THREADS must be a positive integer, got '{bad}'"):
             compiler.compile_workers()
