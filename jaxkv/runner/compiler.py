@@ -106,10 +106,14 @@ def compile_buckets(runner, buckets, stopped=lambda: False, workers: int = 1,
     return True
 
 
-def compile_workers() -> int:
+MAX_COMPILE_THREADS = 16  # (each compile holds its own host memory; warmup has ~25-40 programs)
+
+
+def compile_workers(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     """Threads for warmup's compiles: JAXKV_COMPILE_THREADS if set (a positive integer), else
-    the CPUs this process may run on (its affinity: a container's CPU quota is not read).
-    ValueError naming the variable for another value."""
+    the CPUs this process may run on (its affinity, within a container's CPU quota: cgroup
+    v2's `cpu.max`, read from `cpu_max`), at most MAX_COMPILE_THREADS. ValueError naming the
+    variable for another value."""
     given = os.environ.get("JAXKV_COMPILE_THREADS", "").strip()
     if given:
         try:
@@ -120,9 +124,17 @@ def compile_workers() -> int:
             raise ValueError(f"JAXKV_COMPILE_THREADS must be a positive integer, got {given!r}")
         return n
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:  # (not on Linux)
-        return max(1, os.cpu_count() or 1)
+        n = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, -(-int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 quota to read
+        pass
+    return max(1, min(n, MAX_COMPILE_THREADS))
 
 
 def _run(jobs, workers: int, stopped, low_priority: bool = False) -> bool:

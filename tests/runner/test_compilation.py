@@ -221,11 +221,18 @@ def test_a_compile_error_on_a_worker_is_raised_after_its_wave():
     assert compiler._run([bad, bad], 2, lambda: True) is False  # stopped: none started
 
 
-def test_compile_threads_from_the_environment(monkeypatch, tiny_model):
+def test_compile_threads_from_the_environment(monkeypatch, tiny_model, tmp_path):
     monkeypatch.setenv("JAXKV_COMPILE_THREADS", "3")
     assert compiler.compile_workers() == 3
     monkeypatch.delenv("JAXKV_COMPILE_THREADS")
     assert compiler.compile_workers() >= 1
+    monkeypatch.setattr(compiler.os, "sched_getaffinity", lambda pid: set(range(64)))
+    quota = tmp_path / "cpu.max"
+    for text, want in (("max 100000\n", 16), ("250000 100000\n", 3), ("50000 100000\n", 1),
+                       ("garbage\n", 16)):
+        quota.write_text(text)  # cgroup v2's CPU quota caps 64 CPUs; 16 at most in any case
+        assert compiler.compile_workers(str(quota)) == want, text
+    assert compiler.compile_workers(str(tmp_path / "none")) == 16
     for bad in ("0", "two", "-1", "3.0", "\u00b2"):
         monkeypatch.setenv("JAXKV_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match=f"JAXKV_COMPILE_THREADS must be a positive integer, got '{bad}'"):
