@@ -34,6 +34,15 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def set_up_compilation() -> None:
+    """The process's compile settings, before the weights load: the persistent cache on
+    (enable_compilation_cache), and JAXKV_COMPILE_THREADS read, so that a bad value fails
+    at once (ValueError naming it; jaxkv.runner.compiler.compile_workers)."""
+    from jaxkv.runner.compiler import compile_workers
+    enable_compilation_cache()
+    compile_workers()
+
+
 def log_attention_backend(backend: str) -> None:
     if backend == "cpu":
         from jaxkv import cpu_kernels
@@ -100,14 +109,12 @@ def build_engine(cls, args):
 
     from jaxkv.loader.source import load_checkpoint, load_tokenizer
     from jaxkv.runner import multiprocess
-    from jaxkv.runner.compiler import compile_workers
     from jaxkv.runner.model_runner import ModelRunner
 
     t0 = time.perf_counter()
     if multiprocess.wanted(args):  # before JAX starts its backends
         multiprocess.initialize(args)
-    enable_compilation_cache()
-    compile_workers()  # (a bad JAXKV_COMPILE_THREADS fails here, before the weights load)
+    set_up_compilation()
     ckpt = load_checkpoint(args.model, args.load_format, keep_quantized=args.quantization == "gguf",
                            with_tokenizer=args.tokenizer is None)
     tokenizer = ckpt.tokenizer if args.tokenizer is None else load_tokenizer(args.tokenizer)
