@@ -40,7 +40,8 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            p50 / p99 (the engine's own timestamps, no HTTP: the GPU machine has no FastAPI).
   memory   (with offline or serving) that engine's compiled step programs' memory_analysis():
            arguments, outputs, aliased pool, temporaries and the peak, against weights + pool
-           + 4 GiB (the 2026-12-04 engine's XLA warned of ~120 GiB).
+           + 4 GiB (the 2026-12-04 engine's XLA warned of ~120 GiB); where the temporaries
+           reach a tenth of the pool, the HLO's values of that size and its copies.
   multistep  the decode rows of the two largest batches again on an engine with multi-step
            decode (num_scheduler_steps 4, jaxkv/runner/multi_step.py): "decode" rows whose
            num_scheduler_steps is 4, per decode step.
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import glob
@@ -313,7 +315,9 @@ def memory_rows(llm, rows: Rows) -> None:
     """Each compiled step program's memory_analysis() (issue 38 item 6: peak within weights +
     pool + 4 GiB, no pool-sized temporary), multi-step decode's k-step programs too: GiB of
     arguments, outputs, aliased (donated pool) and temporaries, and the peak they imply
-    (arguments + outputs - aliased + temporaries)."""
+    (arguments + outputs - aliased + temporaries). A program whose temporaries reach a tenth
+    of the pool also gets what its optimized HLO holds of that size (benchmarks/hlo_values.py):
+    the count of each opcode, and its copies (name, shape, GiB, jax op_name): the cause."""
     import jax
     r = llm.llm_engine.runner
     gib = 2.0 ** -30
@@ -333,7 +337,17 @@ def memory_rows(llm, rows: Rows) -> None:
                  temp_gib=round(m.temp_size_in_bytes * gib, 3), peak_gib=round(peak * gib, 3),
                  weights_gib=round(r.weights_bytes * gib, 3), pool_gib=round(pool * gib, 3),
                  within_4gib=peak <= r.weights_bytes + pool + 4 * 2**30,
-                 temp_below_tenth_of_pool=m.temp_size_in_bytes < pool / 10)
+                 temp_below_tenth_of_pool=m.temp_size_in_bytes < pool / 10,
+                 **(_large_values(exe, pool // 10) if m.temp_size_in_bytes >= pool / 10 else {}))
+
+
+def _large_values(exe, min_bytes: int) -> dict:
+    """A compiled program's values of at least `min_bytes`: {large_opcodes: {opcode: count},
+    large_copies: the first 8 copies}."""
+    from benchmarks.hlo_values import copies, large_values
+    values = large_values(exe.as_text(), min_bytes)
+    return {"large_opcodes": dict(collections.Counter(v["opcode"] for v in values)),
+            "large_copies": copies(values)[:8]}
 
 
 SMOKE = {"kv_int8": dict(kv_cache_dtype="int8"), "kv_fp8": dict(kv_cache_dtype="fp8"),

@@ -3,16 +3,22 @@
 import jax
 import numpy as np
 
+from benchmarks.hlo_values import copies, large_values
+
 from jaxkv.core.scheduler_output import SchedulerOutput
 from jaxkv.runner.buckets import num_rows
 from jaxkv.runner.input_builder import build_step_input
 
 
-def _memory(r, t, kv):
+def _compiled(r, t, kv):
     si = build_step_input(SchedulerOutput([]), block_size=r.block_size, num_tokens=t,
                           rows=num_rows(t, r.max_num_seqs), max_blocks=r.max_blocks,
                           rope_table=r.rope_table)
-    return r.jitted_step.lower(r.params, kv, si).compile().memory_analysis()
+    return r.jitted_step.lower(r.params, kv, si).compile()
+
+
+def _memory(r, t, kv):
+    return _compiled(r, t, kv).memory_analysis()
 
 
 def test_step_updates_the_pool_in_place(llm):
@@ -20,8 +26,14 @@ def test_step_updates_the_pool_in_place(llm):
     layer_bytes = r.kv_cache.k.nbytes // r.kv_cache.k.shape[0]
     bigger = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], 3 * x.shape[1]) + x.shape[2:],
                                                          x.dtype), r.kv_cache)
+    pool_bytes = sum(x.nbytes for x in jax.tree.leaves(r.kv_cache))
     for t in (r.token_buckets[0], r.token_buckets[-1]):
-        mem = _memory(r, t, r.kv_cache)
+        exe = _compiled(r, t, r.kv_cache)
+        mem = exe.memory_analysis()
+        # What gpu_engine's memory rows read on a GPU: the optimized HLO holds values of the
+        # pool's size (its parameters, the in-place writes), but no copy of a tenth of it.
+        values = large_values(exe.as_text(), pool_bytes // 10)
+        assert {"parameter", "fusion"} <= {v["opcode"] for v in values} and not copies(values)
         # The outputs alias the donated pool (K and V), and the step's scratch does not grow
         # with the pool: nothing pool-sized is copied.
         assert mem.alias_size_in_bytes >= 2 * r.kv_cache.k.nbytes

@@ -1,0 +1,46 @@
+"""benchmarks/hlo_values.py finds a copy of a donated array in a compiled program's HLO, and
+none where XLA updates it in place."""
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.hlo_values import copies, large_values, shape_bytes
+
+POOL = jnp.zeros((4, 64, 256), jnp.float32)  # 256 KiB
+X = jnp.ones(256, jnp.float32)
+
+
+def _values(f):
+    exe = jax.jit(f, donate_argnums=0).lower(POOL, X).compile()
+    return large_values(exe.as_text(), POOL.nbytes // 2), exe.memory_analysis()
+
+
+def test_an_update_in_place_has_no_copy():
+    values, mem = _values(lambda p, x: p.at[1, 3].set(x))
+    assert not copies(values) and mem.temp_size_in_bytes < POOL.nbytes // 10
+    assert {"parameter"} <= {v["opcode"] for v in values}
+    assert all(v["gib"] == round(POOL.nbytes / 2**30, 3) for v in values if v["opcode"] != "tuple")
+
+
+def test_the_old_value_read_after_the_update_is_a_copy():
+    values, mem = _values(lambda p, x: (p.at[1, 3].set(x), (p[1] * 2).sum()))
+    found = copies(values)
+    assert found and found[0]["shape"] == "f32[4,64,256]" and mem.temp_size_in_bytes >= POOL.nbytes
+
+
+def test_a_loop_body_is_read():
+    def f(p, x):
+        return jax.lax.fori_loop(0, 4, lambda i, q: q.at[i].set(q[i] * x[0]), p), (p + 1).sum()
+    values, _ = _values(f)
+    assert any("while/body" in v["op_name"] for v in values) and copies(values)
+
+
+def test_shape_bytes():
+    assert shape_bytes("bf16[2,3]{1,0}") == 12 and shape_bytes("(f32[4], s8[3], pred[])") == 20
+
+
+def test_gpu_engine_names_the_copies():
+    from benchmarks.gpu_engine import _large_values
+    exe = jax.jit(lambda p, x: (p.at[1, 3].set(x), (p[1] * 2).sum()), donate_argnums=0).lower(POOL, X).compile()
+    got = _large_values(exe, POOL.nbytes // 2)
+    assert got["large_opcodes"]["copy"] == len(got["large_copies"]) >= 1
