@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Issue 38, item 4, on a lent GPU, in a call of its own after gpu_check.sh (about 5 minutes):
-# does XLA's command buffer (CUDA graphs) cut the ~520 kernel launches of a step? The decode
+# Issue 38, item 4, on a lent GPU, in a call of its own after gpu_check.sh (about 6 minutes):
+# does XLA's command buffer (CUDA graphs) cut the ~520 kernel launches of a step, and what does
+# keeping XLA's dot merger off (jaxkv/runner/xla_options.py) save? The decode
 # and trace stages of benchmarks/gpu_engine.py (Llama-3-8B shapes, random weights; batch 1 and
 # 128, each with the step run ahead dispatched on the engine thread and from the launcher's;
 # the trace's GPU idle share and kernels per step at 128) once per XLA_FLAGS variant:
-#   default   the command buffer as jax ships it
+#   default   the command buffer as jax ships it (and jaxkv's step options: the dot merger off)
+#   merger    XLA's dot merger back at its default (32 MiB: a layer's q/k/v weights copied into
+#             one concatenation every step), named in XLA_FLAGS, which jaxkv then leaves alone
 #   off       --xla_gpu_enable_command_buffer= (every kernel launched one by one)
 #   all       every command type, conditionals (fused sampling's switch) and loops (multi-step)
 #             included, in graphs from one op up
@@ -30,14 +33,15 @@ if [[ "${1:-}" == "--cpu-dry-run" ]]; then
   LIMIT=240
 else
   ARGS=(--config benchmarks/configs/llama3-8b --batches 1 128 --stages decode trace)
-  LIMIT=150
+  LIMIT=140
 fi
 ALL=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION
 : > "$RES/flags.tsv"
 fail=0
-for variant in default off all; do
+for variant in default merger off all; do
   case $variant in
     default) flags="" ;;
+    merger) flags="--xla_gpu_dot_merger_threshold_mb=32" ;;
     off) flags="--xla_gpu_enable_command_buffer=" ;;
     all) flags="--xla_gpu_enable_command_buffer=$ALL --xla_gpu_graph_min_graph_size=1" ;;
   esac

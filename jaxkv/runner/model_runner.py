@@ -12,6 +12,7 @@ multiply the model's programs. Multi-step decode: jaxkv/runner/multi_step.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -33,6 +34,7 @@ from jaxkv.runner.input_builder import build_step_input, pending_sources, rope_t
 from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.launcher import Launcher
 from jaxkv.runner.run_ahead import RunAhead
+from jaxkv.runner.xla_options import step_compiler_options
 from jaxkv.sampling import fused_sampling as fs
 from jaxkv.sampling import rows
 from jaxkv.sampling import sampler as smp
@@ -119,15 +121,17 @@ class ModelRunner(RunAhead):
         jit = (lambda f, **kw: f) if enforce_eager else jax.jit
         # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated;
         # with a mesh, its inputs and outputs placed as sharding.py says (XLA partitions it).
+        # The step programs' XLA options (xla_options.py), multi-step's k-step ones' too.
+        step_jit = functools.partial(jit, compiler_options=step_compiler_options(jax.default_backend()) or None)
         if self.mesh is not None and not enforce_eager:
             pool_sh = jax.tree.map(lambda x: x.sharding, self.kv_cache)
             rep = sh.replicated(self.mesh)
-            self.jitted_step = jax.jit(self.step_fn, donate_argnums=(1,),
-                                       in_shardings=(jax.tree.map(lambda x: x.sharding, params),
-                                                     pool_sh, rep),
-                                       out_shardings=(rep, pool_sh, rep))
+            self.jitted_step = step_jit(self.step_fn, donate_argnums=(1,),
+                                        in_shardings=(jax.tree.map(lambda x: x.sharding, params),
+                                                      pool_sh, rep),
+                                        out_shardings=(rep, pool_sh, rep))
         else:
-            self.jitted_step = jit(self.step_fn, donate_argnums=(1,))
+            self.jitted_step = step_jit(self.step_fn, donate_argnums=(1,))
         # The sampled rows are gathered by a small program of their own, so the sampler's
         # programs depend on the row count only (token buckets 64 and 512 share them).
         # With a mesh their outputs are replicated: every process reads the sampled tokens
@@ -143,7 +147,7 @@ class ModelRunner(RunAhead):
                                   max_model_len=self.max_model_len, max_logprobs=self.max_logprobs)
         k = self.config.scheduler.num_scheduler_steps  # multi-step decode: its k-step programs
         self.multi_step = (ms.MultiStep(self.step_fn, k, self.block_size, self.rope_table, self.compiles,
-                                        self.prev_rows, self.model.cfg.num_experts, jit) if k > 1 else None)
+                                        self.prev_rows, self.model.cfg.num_experts, step_jit) if k > 1 else None)
         # (compiled with each bucket a decode step of up to max_num_seqs sequences pads to)
         self.multi_step_max_tokens = min((t for t in self.token_buckets if t >= self.max_num_seqs),
                                          default=self.token_buckets[-1])

@@ -1,0 +1,46 @@
+"""The step programs' XLA options (jaxkv/runner/xla_options.py): XLA:GPU's dot merger off on a
+GPU unless XLA_FLAGS names it, nothing elsewhere; the options reach the jax.jit of the step and
+of multi-step's k-step program, and no other program's."""
+
+import jax
+import pytest
+
+from jaxkv.runner import model_runner
+from jaxkv.runner.xla_options import GPU_STEP_OPTIONS, step_compiler_options
+from tests.helpers import write_tiny_model
+from tests.runner.test_compilation import TINY_CONFIG
+
+
+def test_options_by_platform_and_xla_flags():
+    assert step_compiler_options("gpu", "") == GPU_STEP_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert step_compiler_options("cpu", "") == {} and step_compiler_options("tpu", "") == {}
+    assert step_compiler_options("gpu", "--xla_gpu_dot_merger_threshold_mb=32 --xla_dump_to=x") == {}
+    assert step_compiler_options("gpu", "--xla_gpu_enable_command_buffer=") == GPU_STEP_OPTIONS
+
+
+def test_the_step_programs_get_the_options(tmp_path, monkeypatch):
+    """On the CPU with the GPU's options forced (XLA:CPU accepts and ignores this one): the
+    step's and the k-step program's jits get them, the sampler's and the gathers' do not, and
+    the engine compiles and decodes as without them."""
+    from jaxkv import LLM, SamplingParams
+    folder = write_tiny_model(tmp_path, TINY_CONFIG)
+    engine = dict(load_format="dummy", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4,
+                  kv_cache_memory_bytes=1 << 20, token_buckets=(4, 16), num_scheduler_steps=2)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+    want = [o.outputs[0].token_ids for o in LLM(model=folder, **engine).generate(prompts, sp, use_tqdm=False)]
+    real, seen = jax.jit, []
+
+    def spy(f, **kw):
+        seen.append((getattr(f, "__name__", ""), kw.get("compiler_options")))
+        return real(f, **kw)
+
+    monkeypatch.setattr(model_runner, "step_compiler_options", lambda platform: dict(GPU_STEP_OPTIONS))
+    monkeypatch.setattr(jax, "jit", spy)
+    llm = LLM(model=folder, **engine)
+    monkeypatch.setattr(jax, "jit", real)
+    with_options = [name for name, opts in seen if opts == GPU_STEP_OPTIONS]
+    assert sorted(with_options) == ["run", "step_fn"], seen  # (multi_step.program's function: run)
+    assert sum(opts is None for _, opts in seen) >= 3  # gather, sampler, prompt logprobs
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want and llm.stats().num_multi_steps > 0
