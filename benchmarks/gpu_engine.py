@@ -20,7 +20,9 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            2026-12-04 probe timed it: one prebuilt decode StepInput, `reps` calls back to
            back, one block at the end), and the host's dispatch per call. Each B twice: the
            step run ahead dispatched on the engine thread ("launched": false), then from the
-           launcher's thread (true, the default; jaxkv/runner/launcher.py).
+           launcher's thread (true, the default; jaxkv/runner/launcher.py). Each row also
+           says whether the projections were fused (`--projections fused|unfused` forces it:
+           an A/B) and what the step program moves without computing (hlo_moves).
   trace    on that engine, a jax.profiler trace of 32 steady decode steps at batch 128 (the
            largest batch below it on a dry run): GPU busy time (the union of the kernels'
            intervals), idle time and share, kernels per step (None without GPU events).
@@ -196,7 +198,18 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
              num_scheduler_steps=p["k"], engine_steps=steps, repetition_penalty=rep,
              launched=launch and runner.launcher is not None,
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
-             engine_over_device=round(1e3 * dt / n / step_ms, 2), device=str(jax.devices()[0]))
+             engine_over_device=round(1e3 * dt / n / step_ms, 2), hlo_moves=step_moves(runner, b),
+             fused_projections=runner.model.fused_projections,
+             device=str(jax.devices()[0]))
+
+
+def step_moves(runner, t: int) -> dict | None:
+    """What the step program of token bucket `t` (its decode-only one where there is one) moves
+    without computing, values of 1 MiB or more (benchmarks/hlo_values.moves: copies,
+    concatenations, transposes made every step); None when that program is not compiled."""
+    from benchmarks.hlo_values import large_values, moves
+    exe = runner.programs.step.get((t, True)) or runner.programs.step.get((t, False))
+    return None if exe is None else moves(large_values(exe.as_text(), 1 << 20))
 
 
 def gpu_idle(trace_dir: str, steps: int) -> dict:
@@ -394,6 +407,13 @@ def smoke_rows(folder: str, cfg: dict, rows: Rows, backend: str) -> None:
         rows.add(stage="smoke", path="structured_outputs", ok=False, error=f"{type(e).__name__}: {e}"[:300])
 
 
+def force_projections(fused: bool) -> None:
+    """Engines built from now on fuse q/k/v and gate/up (float weights, one device) or keep them
+    apart, whatever the platform (jaxkv.engine.setup.fused_projections_wanted): an A/B."""
+    from jaxkv.engine import setup
+    setup.fused_projections_wanted = lambda rc, mesh: fused and rc.quantization is None and mesh is None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "configs", "llama3-8b"))
@@ -409,7 +429,11 @@ def main(argv=None) -> None:
                     help="the decode stage's multi-step decode k (jaxkv/runner/multi_step.py)")
     ap.add_argument("--repetition-penalty", type=float,
                     help="the decode stage's rows sample with it (1: off; else each reads its history)")
+    ap.add_argument("--projections", choices=("auto", "fused", "unfused"), default="auto",
+                    help="q/k/v and gate/up weights: the engine's choice (fused on a GPU) or forced")
     a = ap.parse_args(argv)
+    if a.projections != "auto":
+        force_projections(a.projections == "fused")
     p, backend = (DRY, "pallas") if a.cpu_dry_run else (FULL, "auto")
     given = (("batches", a.batches), ("decode_tokens", a.decode_tokens),
              ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes), ("k", a.num_scheduler_steps),

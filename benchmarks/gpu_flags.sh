@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 38, item 4, on a lent GPU, in a call of its own after gpu_check.sh (about 6 minutes):
-# does XLA's command buffer (CUDA graphs) cut the ~520 kernel launches of a step, and what does
-# keeping XLA's dot merger off (jaxkv/runner/xla_options.py) save? The decode
+# does XLA's command buffer (CUDA graphs) cut the ~520 kernel launches of a step, and what do
+# fused projections with XLA's dot merger off save against 2026-12-04's layout? The decode
 # and trace stages of benchmarks/gpu_engine.py (Llama-3-8B shapes, random weights; batch 1 and
 # 128, each with the step run ahead dispatched on the engine thread and from the launcher's;
 # the trace's GPU idle share and kernels per step at 128) once per XLA_FLAGS variant:
-#   default   the command buffer as jax ships it (and jaxkv's step options: the dot merger off)
-#   merger    XLA's dot merger back at its default (32 MiB: a layer's q/k/v weights copied into
-#             one concatenation every step), named in XLA_FLAGS, which jaxkv then leaves alone
+#   default   the command buffer as jax ships it, and jaxkv's layout: q/k/v and gate/up fused
+#             into one weight each, XLA's dot merger off (jaxkv/runner/xla_options.py)
+#   before    2026-12-04's layout: the projections apart (--projections unfused) and XLA's dot
+#             merger at its default (32 MiB: q/k/v's weights concatenated, a copy, every step),
+#             named in XLA_FLAGS, which jaxkv then leaves alone
 #   off       --xla_gpu_enable_command_buffer= (every kernel launched one by one)
 #   all       every command type, conditionals (fused sampling's switch) and loops (multi-step)
 #             included, in graphs from one op up
@@ -38,10 +40,11 @@ fi
 ALL=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION
 : > "$RES/flags.tsv"
 fail=0
-for variant in default merger off all; do
+for variant in default before off all; do
+  extra=()
   case $variant in
     default) flags="" ;;
-    merger) flags="--xla_gpu_dot_merger_threshold_mb=32" ;;
+    before) flags="--xla_gpu_dot_merger_threshold_mb=32"; extra=(--projections unfused) ;;
     off) flags="--xla_gpu_enable_command_buffer=" ;;
     all) flags="--xla_gpu_enable_command_buffer=$ALL --xla_gpu_graph_min_graph_size=1" ;;
   esac
@@ -51,10 +54,10 @@ for variant in default merger off all; do
   combined="${XLA_FLAGS:-}"
   [[ -n "$flags" ]] && combined="${combined:+$combined }$flags"
   XLA_FLAGS="$combined" OUT="$out" \
-    timeout --signal=TERM --kill-after=10 "$LIMIT" $PY -m benchmarks.forbid_imports benchmarks.gpu_engine "${ARGS[@]}" > "$out/log.txt" 2>&1
+    timeout --signal=TERM --kill-after=10 "$LIMIT" $PY -m benchmarks.forbid_imports benchmarks.gpu_engine "${ARGS[@]}" "${extra[@]}" > "$out/log.txt" 2>&1
   rc=$?
   printf '%s\t%s\t%ss\t%s\n' "$variant" "$([[ $rc == 0 ]] && echo ok || echo "failed($rc)")" \
-    "$((SECONDS - t0))" "$flags" | tee -a "$RES/flags.tsv"
+    "$((SECONDS - t0))" "$flags${extra[*]:+ (${extra[*]})}" | tee -a "$RES/flags.tsv"
   [[ $rc == 0 ]] || { fail=1; tail -5 "$out/log.txt"; }
 done
 exit $fail

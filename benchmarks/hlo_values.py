@@ -4,6 +4,7 @@ a pool-sized temporary means the KV pool is copied, not updated in place).
 
   large_values(compiled.as_text(), min_bytes) -> [{"name", "opcode", "shape", "gib", "op_name"}]
   copies(values)                              -> the copies among them
+  moves(values)                               -> {copy|concatenate|transpose: [count, GiB]}
 
 Only the entry computation and the computations it reaches through while, conditional and
 call are read; a fusion counts as one value, its output (what XLA allocates), never its
@@ -105,3 +106,21 @@ def large_values(hlo: str, min_bytes: int) -> list[dict]:
 def copies(values: list[dict]) -> list[dict]:
     """The copies among `large_values`' values (COPIES): a pool-sized one is the pool copied."""
     return [v for v in values if v["opcode"] in COPIES]
+
+
+# A value that only moves data: a copy, a concatenation or a transpose, as an op or as the
+# fusion XLA names after its root (copy_fusion, loop_concatenate_fusion, input_transpose_fusion).
+_MOVE = re.compile(r"copy|concatenate|transpose")
+
+
+def moves(values: list[dict]) -> dict[str, list]:
+    """{kind: [count, GiB]} of `large_values`' values that only move data (copy, concatenate,
+    transpose: the op, or a fusion named after one), e.g. XLA:GPU's dot merger concatenating
+    a layer's weights on every step; {} when none."""
+    out: dict[str, list] = {}
+    for v in values:
+        m = _MOVE.search(v["opcode"]) or (v["opcode"] == "fusion" and _MOVE.search(v["name"]))
+        if m:
+            count, gib = out.get(m.group(0), (0, 0.0))
+            out[m.group(0)] = [count + 1, round(gib + v["gib"], 3)]
+    return out

@@ -75,6 +75,16 @@ def cpu_matmul_wanted(runner_config, mesh) -> bool:
             and mesh is None)
 
 
+def fused_projections_wanted(runner_config, mesh) -> bool:
+    """Whether each layer's q/k/v and gate/up weights are fused into one weight each
+    (LlamaModel.fused_projections): on a GPU, with float weights on one device. There XLA would
+    otherwise run three and two dots, each a launch (or, with its dot merger on, concatenate
+    the weights on every step: jaxkv/runner/xla_options.py); the CPU's C++ kernels already take
+    them in one call."""
+    import jax
+    return jax.default_backend() == "gpu" and runner_config.quantization is None and mesh is None
+
+
 def kv_tiers(config, args):
     """The KV cache's host and disk tiers (or None, None): the host side's bookkeeping."""
     cc = config.cache
@@ -209,9 +219,12 @@ def build_model(config, mesh):
         logger.info("matmuls: the %s layers and the LM head (the embedding's blocks) dequantize "
                     "in XLA", rc.quantization.name)
     log_attention_variants(mc, rc.attention_backend)
+    fused = fused_projections_wanted(rc, mesh)
+    if fused:
+        logger.info("projections fused: q/k/v and gate/up as one weight each (one matmul each)")
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul,
-                       quant=rc.quantization)
+                       quant=rc.quantization, fused_projections=fused)
     if fused_sampling.max_tokens(rc.tensor_parallel_size):
         logger.info("sampling fused into the step programs (plain steps: no logprobs, "
                     "penalties, logits filters, grammar or drafts)")

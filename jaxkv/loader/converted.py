@@ -64,12 +64,15 @@ def restore_params(path: str, model, mesh=None) -> dict:
     """The params of `model` (a LlamaModel) from the converted folder `path`, as arrays of the
     model's dtype on the default device, or with a tensor-parallel `mesh` each restored
     straight into its sharding (jaxkv/models/sharding.py: every device reads its own slice).
-    ValueError naming the folder when the checkpoint does not hold this model's parameter tree."""
+    ValueError naming the folder when the checkpoint does not hold this model's parameter tree.
+    The folder holds the projections apart: a model that fuses them gets them fused after."""
     import jax
     import orbax.checkpoint as ocp
 
-    from jaxkv.models.params import param_shapes
+    from jaxkv.models.params import fuse_projections, param_shapes, unfused
 
+    if model is not unfused(model):
+        return fuse_projections(restore_params(path, unfused(model), mesh))
     shapes = param_shapes(model)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -159,6 +159,7 @@ class DecoderLayer(nn.Module):
     attention: Attention
     cpu_matmul: bool = False
     quant: QuantSpec | None = None
+    fused: bool = False  # LlamaModel.fused_projections
 
     @nn.compact
     def __call__(self, carry, layer, rope, step: StepInput, shared):
@@ -168,9 +169,14 @@ class DecoderLayer(nn.Module):
         norm = lambda name: RMSNorm(c.rms_norm_eps, dt, c.gemma, name=name)  # noqa: E731
         h = norm("input_layernorm")(x)
         mm = lambda x, *layers: matmul(x, layers, self.cpu_matmul)  # noqa: E731
-        q, k, v = mm(h, Linear(c.num_heads * c.head_dim, c.attention_bias, dt, qs, name="q_proj"),
-                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, qs, name="k_proj"),
-                     Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, qs, name="v_proj"))
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if self.fused:  # one weight [hidden, q ++ k ++ v]: one matmul
+            qkv = mm(h, Linear(nq + 2 * nkv, c.attention_bias, dt, qs, name="qkv_proj"))[0]
+            q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
+        else:
+            q, k, v = mm(h, Linear(nq, c.attention_bias, dt, qs, name="q_proj"),
+                         Linear(nkv, c.attention_bias, dt, qs, name="k_proj"),
+                         Linear(nkv, c.attention_bias, dt, qs, name="v_proj"))
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
@@ -193,8 +199,12 @@ class DecoderLayer(nn.Module):
             valid = step.slot_mapping > 0  # not padding (nor a multi-step's row past its steps)
             y, _ = MoE(c, dt, Linear, mm, qs, name="mlp")(h, valid)
             return (x + y, pool), None
-        g, u = mm(h, Linear(c.intermediate_size, False, dt, qs, name="gate_proj"),
-                  Linear(c.intermediate_size, False, dt, qs, name="up_proj"))
+        if self.fused:  # one weight [hidden, gate ++ up]
+            g, u = jnp.split(mm(h, Linear(2 * c.intermediate_size, False, dt, qs, name="gate_up_proj"))[0],
+                             2, axis=-1)
+        else:
+            g, u = mm(h, Linear(c.intermediate_size, False, dt, qs, name="gate_proj"),
+                      Linear(c.intermediate_size, False, dt, qs, name="up_proj"))
         act = nn.gelu(g, approximate=True) if c.mlp_activation == "gelu_tanh" else nn.silu(g)
         y = mm(act * u, Linear(c.hidden_size, False, dt, qs, name="down_proj"))[0]
         if c.gemma:
@@ -209,12 +219,17 @@ class LlamaModel(nn.Module):
     calls of at most cpu_linear.MAX_ROWS rows run their float32 matmuls through jaxkv's C++
     kernels (set by the engine with the cpu attention backend and no tensor parallelism);
     `quant`: the decoder layers' linear weights quantized (jaxkv/quantization; the embedding
-    and the LM head stay in `dtype`)."""
+    and the LM head stay in `dtype`); `fused_projections`: each dense layer's q/k/v weights as
+    one [hidden, q + 2 kv] weight (qkv_proj) and its gate/up weights as one [hidden, 2 x
+    intermediate] weight (gate_up_proj), one matmul each, as vLLM's QKVParallelLinear and
+    MergedColumnParallelLinear (float weights, one device; jaxkv/models/params.py fuses a
+    checkpoint's)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention: Attention = get_attention("xla")
     cpu_matmul: bool = False
     quant: QuantSpec | None = None
+    fused_projections: bool = False
 
     def setup(self):
         c = self.cfg
@@ -225,7 +240,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                          param_dtype=self.dtype, name="embed_tokens")
         self.layers = [DecoderLayer(c, self.dtype, self.attention, self.cpu_matmul, self.quant,
-                                    name=f"layers_{i}")
+                                    self.fused_projections, name=f"layers_{i}")
                        for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma, name="norm")
         if not c.tie_word_embeddings:

@@ -47,11 +47,45 @@ def param_shapes(model) -> dict:
     return shapes["params"]
 
 
+# A fused model's modules (LlamaModel.fused_projections) and the modules they join, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def unfused(model):
+    """`model` with its projections apart (itself when they are): the layout checkpoints,
+    converted folders and random weights are made in, before fuse_projections."""
+    return model.clone(fused_projections=False) if getattr(model, "fused_projections", False) else model
+
+
+def fuse_projections(params: dict) -> dict:
+    """Params of the unfused layout -> those of LlamaModel(fused_projections=True): in each
+    layer, q_proj/k_proj/v_proj's kernels [hidden, n_i] (and biases [n_i]) concatenated along
+    their outputs into qkv_proj, gate_proj/up_proj's into gate_up_proj (a mixture-of-experts
+    layer's "mlp" is left as it is). Float kernels only: ValueError for a quantized layer."""
+    out = dict(params)
+    for name, layer in params.items():
+        if not name.startswith("layers_"):
+            continue
+        layer = dict(layer)
+        for fused, parts in FUSED.items():
+            if parts[0] not in layer:
+                continue
+            leaves = [layer.pop(m) for m in parts]
+            if set(leaves[0]) - {"kernel", "bias"}:
+                raise ValueError(f"{name}/{parts[0]}: only float weights are fused, not {sorted(leaves[0])}")
+            layer[fused] = {leaf: jnp.concatenate([x[leaf] for x in leaves], axis=-1) for leaf in leaves[0]}
+        out[name] = layer
+    return out
+
+
 def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
-    """Build LlamaModel params from HF-named arrays; every shape is checked against the model.
+    """Build LlamaModel params from HF-named arrays; every shape is checked against the model
+    (its projections fused after, when the model fuses them).
 
     Raises ValueError naming the tensor that is missing or has the wrong shape.
     """
+    if model is not unfused(model):
+        return fuse_projections(params_from_tensors(unfused(model), tensors))
     c: ModelConfig = model.cfg
     shapes = param_shapes(model)
 
@@ -150,7 +184,10 @@ def _linear_dims(c: ModelConfig, module: str) -> tuple[int, int]:
 def dummy_params(model, seed: int = 0) -> dict:
     """Random weights of the configured shapes (load_format="dummy"): normal(0, 0.02), norms 1;
     quantized leaves drawn on the device in their own format, weights of about that size
-    (jaxkv/quantization/linear.py dummy_leaf: an 8B model's in seconds)."""
+    (jaxkv/quantization/linear.py dummy_leaf: an 8B model's in seconds). A model that fuses its
+    projections gets the unfused layout's weights fused (the same values as unfused)."""
+    if model is not unfused(model):
+        return fuse_projections(dummy_params(unfused(model), seed))
     shapes = param_shapes(model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     key = jax.random.PRNGKey(seed)

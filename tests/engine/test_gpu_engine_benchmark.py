@@ -28,6 +28,7 @@ def test_the_dry_run_writes_every_stage(tmp_path):
     for r in by["decode"]:
         assert r["engine_ms_per_step"] > 0 and r["device_step_ms"] > 0 and r["dispatch_ms"] > 0
         assert 0 <= r["steps_steady"] <= r["steps_dispatched_ahead"] <= 1
+        assert r["hlo_moves"] == {}  # the step program moves no MiB-sized value (a tiny model)
     single = [r for r in by["decode"] if r["num_scheduler_steps"] == 1]
     assert all(r["steps_steady"] > 0.5 for r in single)  # the steady batch's fast path
     assert by["trace"][0]["gpu_idle_share"] is None  # no GPU events on the CPU
@@ -49,20 +50,21 @@ def test_the_dry_run_writes_every_stage(tmp_path):
 
 def test_the_command_buffer_variants_dry_run(tmp_path):
     """benchmarks/gpu_flags.sh --cpu-dry-run: the decode and trace stages once per XLA_FLAGS
-    variant (command buffers as shipped, the dot merger at XLA's default, command buffers off,
-    every type): the flags parse and every variant
+    variant (command buffers as shipped; 2026-12-04's layout: projections apart and XLA's dot
+    merger on; command buffers off; every type): the flags parse and every variant
     writes its rows (XLA:CPU ignores them; the H200 is where they count)."""
     p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     status = [line.split("\t") for line in (tmp_path / "flags.tsv").read_text().splitlines()]
-    assert [(v, ok) for v, ok, *_ in status] == [("default", "ok"), ("merger", "ok"), ("off", "ok"), ("all", "ok")]
-    assert "CONDITIONAL,WHILE" in status[3][3] and "dot_merger_threshold_mb=32" in status[1][3]
-    for variant in ("default", "merger", "off", "all"):
+    assert [(v, ok) for v, ok, *_ in status] == [("default", "ok"), ("before", "ok"), ("off", "ok"), ("all", "ok")]
+    assert "CONDITIONAL,WHILE" in status[3][3]
+    assert "dot_merger_threshold_mb=32" in status[1][3] and "--projections unfused" in status[1][3]
+    for variant in ("default", "before", "off", "all"):
         rows = [json.loads(x) for x in (tmp_path / f"flags_{variant}" / "5_gpu_engine.jsonl").read_text().splitlines()]
-        decode = [(r["batch"], r["launched"]) for r in rows if r["stage"] == "decode"]
-        assert decode == [(1, False), (1, True), (4, False), (4, True)], variant
+        decode = [(r["batch"], r["launched"], r["fused_projections"]) for r in rows if r["stage"] == "decode"]
+        assert decode == [(1, False, False), (1, True, False), (4, False, False), (4, True, False)], variant
         assert [r["stage"] for r in rows].count("trace") == 1
 
 

@@ -74,16 +74,21 @@ def arch(request, tmp_path_factory):
     return request.param, make_hf(request.param, path), path
 
 
-@pytest.mark.parametrize("cpu_matmul", [False, True])
-def test_logits_match_transformers(arch, cpu_matmul):
+@pytest.mark.parametrize("cpu_matmul,fused", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["xla", "cpu", "xla-fused", "cpu-fused"])
+def test_logits_match_transformers(arch, cpu_matmul, fused):
     """Prefill, chunks and token-by-token decode; with cpu_matmul the steps of bucket 8 run
     through the C++ few-row matmul, those of buckets 32 and 64 (the chunks, the 41-token
-    prefill) through the C++ GEMM; without it every matmul is an XLA dot."""
+    prefill) through the C++ GEMM; without it every matmul is an XLA dot. `fused`: q/k/v and
+    gate/up as one weight each (fused_projections, the GPU's layout), made from the same
+    checkpoint."""
     name, hf, path = arch
     ckpt = load_hf_dir(str(path))
     mc = ModelConfig.from_hf_config(ckpt.config)
-    model = LlamaModel(mc, cpu_matmul=cpu_matmul)
+    model = LlamaModel(mc, cpu_matmul=cpu_matmul, fused_projections=fused)
     params = params_from_tensors(model, ckpt.tensors)
+    layer = params["layers_0"]
+    assert ("qkv_proj" in layer and "gate_up_proj" in layer) == fused and ("q_proj" in layer) != fused
     config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
                         max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
                         max_logprobs=0).create_engine_config(platform="cpu", model_config=mc)

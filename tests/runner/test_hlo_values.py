@@ -4,7 +4,7 @@ none where XLA updates it in place."""
 import jax
 import jax.numpy as jnp
 
-from benchmarks.hlo_values import copies, large_values, shape_bytes
+from benchmarks.hlo_values import copies, large_values, moves, shape_bytes
 
 POOL = jnp.zeros((4, 64, 256), jnp.float32)  # 256 KiB
 X = jnp.ones(256, jnp.float32)
@@ -44,3 +44,18 @@ def test_gpu_engine_names_the_copies():
     exe = jax.jit(lambda p, x: (p.at[1, 3].set(x), (p[1] * 2).sum()), donate_argnums=0).lower(POOL, X).compile()
     got = _large_values(exe, POOL.nbytes // 2)
     assert got["large_opcodes"]["copy"] == len(got["large_copies"]) >= 1
+
+
+def test_moves_count_a_concatenation_of_weights():
+    """What XLA:GPU's dot merger makes of x @ a, x @ b: x @ concat(a, b), the concatenation a
+    new buffer every call; the same dots apart move nothing."""
+    a, b = jnp.ones((256, 512), jnp.float32), jnp.ones((256, 512), jnp.float32)  # 512 KiB each
+
+    def merged(x, a, b):
+        return x @ jnp.concatenate([a, b], axis=1)
+
+    got = {}
+    for name, f in (("merged", merged), ("apart", lambda x, a, b: (x @ a, x @ b))):
+        exe = jax.jit(f).lower(jnp.ones((2, 256)), a, b).compile()
+        got[name] = moves(large_values(exe.as_text(), a.nbytes))
+    assert got["merged"] == {"concatenate": [1, round(2 * a.nbytes / 2**30, 3)]} and got["apart"] == {}
