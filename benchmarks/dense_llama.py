@@ -28,6 +28,10 @@ class Dense:
 
         from jaxkv.models.llama import apply_rope, rope_inv_freq
         from jaxkv.runner.input_builder import rope_tables
+        from jaxkv.models.params import split_projections
+        layers = {f"layers_{i}": split_projections(params[f"layers_{i}"], model.cfg)  # (fused on a GPU)
+                  for i in range(model.cfg.num_layers)}
+        params = {**params, **layers}
         self.c, self.model, self.params, self.rope = model.cfg, model, params, apply_rope
         # cos / sin [max_position_embeddings, head_dim / 2]: the same values as the engine's
         cos, sin = rope_tables(np.arange(model.cfg.max_position_embeddings), rope_inv_freq(model.cfg))

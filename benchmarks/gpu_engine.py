@@ -198,17 +198,19 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
              num_scheduler_steps=p["k"], engine_steps=steps, repetition_penalty=rep,
              launched=launch and runner.launcher is not None,
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
-             engine_over_device=round(1e3 * dt / n / step_ms, 2), hlo_moves=step_moves(runner, b),
+             engine_over_device=round(1e3 * dt / n / step_ms, 2), hlo_moves=step_moves(runner, b, p["k"]),
              fused_projections=runner.model.fused_projections,
              device=str(jax.devices()[0]))
 
 
-def step_moves(runner, t: int) -> dict | None:
-    """What the step program of token bucket `t` (its decode-only one where there is one) moves
-    without computing, values of 1 MiB or more (benchmarks/hlo_values.moves: copies,
-    concatenations, transposes made every step); None when that program is not compiled."""
+def step_moves(runner, t: int, k: int = 1) -> dict | None:
+    """What the step program of token bucket `t` (multi-step decode's k-step one when k > 1;
+    the decode-only one where there is one) moves without computing, values of 1 MiB or more
+    (benchmarks/hlo_values.moves: copies, concatenations, transposes made every step); None
+    when that program is not compiled."""
     from benchmarks.hlo_values import large_values, moves
-    exe = runner.programs.step.get((t, True)) or runner.programs.step.get((t, False))
+    programs = runner.multi_step.compiled if k > 1 else runner.programs.step
+    exe = programs.get((t, True)) or programs.get((t, False))
     return None if exe is None else moves(large_values(exe.as_text(), 1 << 20))
 
 

@@ -35,7 +35,7 @@ if [[ "${1:-}" == "--cpu-dry-run" ]]; then
   LIMIT=240
 else
   ARGS=(--config benchmarks/configs/llama3-8b --batches 1 128 --stages decode trace)
-  LIMIT=140
+  LIMIT=130
 fi
 ALL=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION
 : > "$RES/flags.tsv"

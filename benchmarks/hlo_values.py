@@ -2,13 +2,13 @@
 program's temporaries come from when memory_analysis() says they are large (issue 38 item 6:
 a pool-sized temporary means the KV pool is copied, not updated in place).
 
-  large_values(compiled.as_text(), min_bytes) -> [{"name", "opcode", "shape", "gib", "op_name"}]
+  large_values(compiled.as_text(), min_bytes) -> [{"name", "opcode", "shape", "bytes", "gib", "op_name"}]
   copies(values)                              -> the copies among them
   moves(values)                               -> {copy|concatenate|transpose: [count, GiB]}
 
 Only the entry computation and the computations it reaches through while, conditional and
 call are read; a fusion counts as one value, its output (what XLA allocates), never its
-inner instructions. `copies` picks copy, copy-start and copy-done: XLA's copy insertion adds
+inner instructions. `copies` picks copy and copy-done: XLA's copy insertion adds
 one where a buffer cannot be updated in place (a donated pool read again after its update, an
 alias it cannot prove safe).
 """
@@ -25,12 +25,17 @@ _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"([\w\-]+)\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# "ENTRY %main.12 (p: f32[4]) -> (f32[4], /*index=5*/f32[]) {": a name, then its parameters.
+_HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _CALLED = re.compile(r"(?:body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
                      r"|branch_computations=\{([^}]*)\}")
-COPIES = ("copy", "copy-start", "copy-done")
-# Bytes per element of XLA's primitive types (pred is a byte).
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+# An asynchronous copy is counted once, by its copy-done (the destination array).
+COPIES = ("copy", "copy-done")
+# Ops that allocate nothing of their own (views, tuples of other values, a loop's state, which
+# is its operand's buffer; copy-start's tuple holds the copy-done's).
+_NO_BUFFER = frozenset({"tuple", "get-tuple-element", "bitcast", "while", "copy-start"})
+# Bytes per element of XLA's primitive types (pred is a byte; f8* and f4*/s4/u4/s2/u2 by width).
+_BYTES = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1,
           "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
@@ -38,9 +43,9 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape string (an array "bf16[2,3]{1,0}" or a tuple of them)."""
     total = 0.0
-    for dtype, dims in _ARRAY.findall(shape):
+    for dtype, dims in _ARRAY.findall(shape.replace("<=", "")):  # (a dynamic dim: its bound)
         n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        total += n * _BYTES.get(dtype, 4)
+        total += n * _BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
     return int(total)
 
 
@@ -49,7 +54,7 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     comps, name = {}, None
     for line in hlo.splitlines():
         m = _HEADER.match(line)
-        if m and "=" not in line.split("{")[0]:
+        if m:
             name = "ENTRY" if m.group(1) else m.group(2)
             comps[name] = []
         elif line.strip() == "}":
@@ -77,8 +82,9 @@ def _split_shape(rest: str) -> tuple[str, str, str] | None:
 
 def large_values(hlo: str, min_bytes: int) -> list[dict]:
     """The instructions of at least `min_bytes` (their output's size) in the entry computation
-    and the computations it reaches through while/conditional/call, largest first: name,
-    opcode, shape (without layout), GiB and the jax op_name of their metadata ("" if none)."""
+    and the computations it reaches through while/conditional/call, largest first, less those
+    that allocate nothing (_NO_BUFFER): name, opcode, shape (without layout), bytes, GiB and
+    the jax op_name of their metadata ("" if none)."""
     comps = _computations(hlo)
     seen, todo, out = set(), ["ENTRY"], []
     while todo:
@@ -96,11 +102,11 @@ def large_values(hlo: str, min_bytes: int) -> list[dict]:
                 for one, many in _CALLED.findall(tail):
                     todo += [one] if one else [c.strip().lstrip("%") for c in many.split(",")]
             size = shape_bytes(shape)
-            if size >= min_bytes:
+            if size >= min_bytes and opcode not in _NO_BUFFER:
                 op = _OP_NAME.search(tail)
                 out.append({"name": m.group(1), "opcode": opcode, "shape": re.sub(r"\{[^}]*\}", "", shape),
-                            "gib": round(size / 2**30, 3), "op_name": op.group(1) if op else ""})
-    return sorted(out, key=lambda v: -v["gib"])
+                            "bytes": size, "gib": round(size / 2**30, 3), "op_name": op.group(1) if op else ""})
+    return sorted(out, key=lambda v: -v["bytes"])
 
 
 def copies(values: list[dict]) -> list[dict]:
@@ -117,10 +123,10 @@ def moves(values: list[dict]) -> dict[str, list]:
     """{kind: [count, GiB]} of `large_values`' values that only move data (copy, concatenate,
     transpose: the op, or a fusion named after one), e.g. XLA:GPU's dot merger concatenating
     a layer's weights on every step; {} when none."""
-    out: dict[str, list] = {}
+    total: dict[str, list] = {}
     for v in values:
         m = _MOVE.search(v["opcode"]) or (v["opcode"] == "fusion" and _MOVE.search(v["name"]))
         if m:
-            count, gib = out.get(m.group(0), (0, 0.0))
-            out[m.group(0)] = [count + 1, round(gib + v["gib"], 3)]
-    return out
+            count, size = total.get(m.group(0), (0, 0))
+            total[m.group(0)] = [count + 1, size + v["bytes"]]
+    return {kind: [count, round(size / 2**30, 4)] for kind, (count, size) in total.items()}

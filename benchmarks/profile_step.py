@@ -81,6 +81,7 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     h = jnp.asarray(rng.standard_normal((t, c.hidden_size)), jnp.float32)
 
     from jaxkv.cpu_kernels import linear as cpu_linear
+    from jaxkv.models.params import split_projections
 
     def mm_group(x, *ws):  # as the model runs them (llama.matmul): one kernel call, or dots
         if runner.model.cpu_matmul and cpu_linear.applies(x, *ws):
@@ -90,7 +91,8 @@ def profile(llm, shape, reps: int, seed: int, temperature: float = 0.0) -> dict:
     def matmuls(params, h):  # chained as the model chains them (tanh keeps h bounded)
         acc = 0.0
         for i in range(c.num_layers):
-            lp = {k: v["kernel"] for k, v in params[f"layers_{i}"].items() if "kernel" in v}
+            layer = split_projections(params[f"layers_{i}"], c)  # (fused on a GPU)
+            lp = {k: v["kernel"] for k, v in layer.items() if "kernel" in v}
             q, k, v = mm_group(h, lp["q_proj"], lp["k_proj"], lp["v_proj"])
             (o,) = mm_group(q, lp["o_proj"])
             h = jnp.tanh(h + o)

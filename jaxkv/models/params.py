@@ -58,23 +58,40 @@ def unfused(model):
 
 
 def fuse_projections(params: dict) -> dict:
-    """Params of the unfused layout -> those of LlamaModel(fused_projections=True): in each
-    layer, q_proj/k_proj/v_proj's kernels [hidden, n_i] (and biases [n_i]) concatenated along
-    their outputs into qkv_proj, gate_proj/up_proj's into gate_up_proj (a mixture-of-experts
-    layer's "mlp" is left as it is). Float kernels only: ValueError for a quantized layer."""
-    out = dict(params)
+    """Params of the unfused layout -> those of LlamaModel(fused_projections=True), in place:
+    in each layer, q_proj/k_proj/v_proj's kernels [hidden, n_i] (and biases [n_i]) concatenated
+    along their outputs into qkv_proj, gate_proj/up_proj's into gate_up_proj (a mixture-of-
+    experts layer's "mlp" is left as it is). Layer by layer, each layer's unfused arrays
+    dropped once its fused ones exist, so the device holds one layer's projections twice at
+    most (a caller that keeps no other reference to them). Returns `params`. Float kernels
+    only: ValueError for a quantized layer."""
     for name, layer in params.items():
         if not name.startswith("layers_"):
             continue
-        layer = dict(layer)
         for fused, parts in FUSED.items():
             if parts[0] not in layer:
                 continue
+            if set(layer[parts[0]]) - {"kernel", "bias"}:
+                raise ValueError(f"{name}/{parts[0]}: only float weights are fused, not {sorted(layer[parts[0]])}")
             leaves = [layer.pop(m) for m in parts]
-            if set(leaves[0]) - {"kernel", "bias"}:
-                raise ValueError(f"{name}/{parts[0]}: only float weights are fused, not {sorted(leaves[0])}")
             layer[fused] = {leaf: jnp.concatenate([x[leaf] for x in leaves], axis=-1) for leaf in leaves[0]}
-        out[name] = layer
+            del leaves  # (the unfused arrays go now)
+    return params
+
+
+def split_projections(layer: dict, c: ModelConfig) -> dict:
+    """A layer's params with q_proj/k_proj/v_proj and gate_proj/up_proj as their own modules
+    again (slices of the fused weights; `layer` itself when it is not fused): for code that
+    reads the projections by name (the benchmarks' dense model and step profile)."""
+    if "qkv_proj" not in layer:
+        return layer
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    out = {k: v for k, v in layer.items() if k not in FUSED}
+    for fused, cuts in (("qkv_proj", (q, q + kv)), ("gate_up_proj", (c.intermediate_size,))):
+        if fused in layer:
+            pieces = {leaf: jnp.split(a, cuts, axis=-1) for leaf, a in layer[fused].items()}
+            for i, m in enumerate(FUSED[fused]):
+                out[m] = {leaf: parts[i] for leaf, parts in pieces.items()}
     return out
 
 

@@ -35,8 +35,48 @@ def test_a_loop_body_is_read():
     assert any("while/body" in v["op_name"] for v in values) and copies(values)
 
 
+def test_a_loop_of_six_or_more_values_and_a_program_of_six_outputs_are_read():
+    """XLA writes /*index=5*/ into a tuple of 6 or more elements, computations' headers too
+    (a loop's state, the entry's outputs: an int8 pool's step returns 6 arrays)."""
+    def f(p, x):
+        def body(i, c):
+            q, a, b, d, e, g = c
+            return q.at[i].set(q[i] * x[0]), a + 1, b * 2, d - 1, e + x[1], g
+        out = jax.lax.fori_loop(0, 4, body, (p, x, x + 1, x + 2, x + 3, x + 4))
+        return (*out, (p + 1).sum())
+    values, _ = _values(f)
+    assert any("while/body" in v["op_name"] for v in values) and copies(values)
+
+
+def test_a_hand_written_module():
+    """An asynchronous copy counts once (its copy-done), a tuple allocates nothing, and a
+    conditional's branches are read."""
+    hlo = """HloModule m, entry_computation_layout={(bf16[1024,1024]{1,0})->bf16[1024,1024]{1,0}}
+
+%branch_a (x: bf16[1024,1024]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %t = bf16[1024,1024]{0,1} transpose(%x), dimensions={1,0}, metadata={op_name="jit(f)/transpose(a)"}
+}
+
+ENTRY %main.3 (p: bf16[1024,1024]) -> (bf16[1024,1024], /*index=1*/bf16[<=1024,1024]) {
+  %p = bf16[1024,1024]{1,0} parameter(0)
+  %cs = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}, u32[]) copy-start(%p)
+  %cd = bf16[1024,1024]{1,0} copy-done(%cs)
+  %i = s32[] constant(0)
+  %c = bf16[1024,1024]{1,0} conditional(%i, %cd), branch_computations={%branch_a}
+  ROOT %r = (bf16[1024,1024]{1,0}, bf16[<=1024,1024]{1,0}) tuple(%c, %cd)
+}
+"""
+    values = large_values(hlo, 1 << 20)
+    assert sorted(v["opcode"] for v in values) == ["conditional", "copy-done", "parameter", "parameter", "transpose"]
+    assert [v["name"] for v in copies(values)] == ["cd"] and all(v["bytes"] == 2 << 20 for v in values)
+    assert moves(values) == {"copy": [1, round(2 / 1024, 4)], "transpose": [1, round(2 / 1024, 4)]}
+    assert next(v for v in values if v["opcode"] == "transpose")["op_name"] == "jit(f)/transpose(a)"
+
+
 def test_shape_bytes():
     assert shape_bytes("bf16[2,3]{1,0}") == 12 and shape_bytes("(f32[4], s8[3], pred[])") == 20
+    assert shape_bytes("f8e4m3fnuz[8]") == 8 and shape_bytes("f32[<=4,2]") == 32
 
 
 def test_gpu_engine_names_the_copies():
@@ -58,4 +98,4 @@ def test_moves_count_a_concatenation_of_weights():
     for name, f in (("merged", merged), ("apart", lambda x, a, b: (x @ a, x @ b))):
         exe = jax.jit(f).lower(jnp.ones((2, 256)), a, b).compile()
         got[name] = moves(large_values(exe.as_text(), a.nbytes))
-    assert got["merged"] == {"concatenate": [1, round(2 * a.nbytes / 2**30, 3)]} and got["apart"] == {}
+    assert got["merged"] == {"concatenate": [1, round(2 * a.nbytes / 2**30, 4)]} and got["apart"] == {}
