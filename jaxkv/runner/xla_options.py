@@ -9,7 +9,10 @@ sides, whenever one of them moves fewer bytes than the threshold (32 MiB by defa
 concatenation is a copy made on every step: 48 MiB read and written more per layer at 8B
 shapes, ~3 GiB per step over 32 layers, ~0.7 ms at the H200's 4.45 TB/s, where the whole
 weight read at batch 1 takes 3.6 ms. vLLM's answer is to load q/k/v (and gate/up) as one
-fused weight; here the dots stay apart and XLA is told not to merge them.
+fused weight, which jaxkv does too on a GPU (LlamaModel.fused_projections, float weights on
+one device): the merger then has nothing of theirs to concatenate, and this option keeps it
+from concatenating the dots that stay apart (quantized projections, a mixture of experts'
+shared expert and router).
 
 An option that XLA_FLAGS names is left to XLA_FLAGS (an experiment's choice wins), and other
 platforms get none.
