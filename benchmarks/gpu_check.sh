@@ -13,7 +13,8 @@
 # engine against its own device step (benchmarks/gpu_engine.py: batch 1-256, a profiler trace's
 # GPU idle time, cold warmup, an offline workload, a serving run, a smoke pass of new paths).
 # A failing or timed-out stage is recorded and the next one still runs; the exit status is
-# non-zero if any stage failed. XLA's command buffers are compared by benchmarks/gpu_flags.sh,
+# non-zero if any stage failed. jaxkv's XLA:GPU choices (fused projections, the dot merger off,
+# conditionals in the command buffer) are measured one at a time by benchmarks/gpu_flags.sh,
 # in a device call of its own (it would not fit this one's time).
 set -uo pipefail
 cd "$(dirname "$0")/.."

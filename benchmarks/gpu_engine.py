@@ -25,7 +25,12 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            an A/B) and what the step program moves without computing (hlo_moves).
   trace    on that engine, a jax.profiler trace of 32 steady decode steps at batch 128 (the
            largest batch below it on a dry run): GPU busy time (the union of the kernels'
-           intervals), idle time and share, kernels per step (None without GPU events).
+           intervals), idle time and share, kernels per step (None without GPU events),
+           kernel ms per step by kind (gemm, attention, K/V write, other), the share of
+           kernel time in command buffers and the top kernels (benchmarks/trace_kernels.py).
+           The decode rows' dispatch_ms near device_step_ms would mean enqueueing a step
+           waited for the device (a conditional outside the command buffer:
+           jaxkv/runner/xla_options.py).
   smoke    paths not run on a GPU before, on the model's first 2 layers and small token
            buckets, against the plain engine's greedy tokens: int8 and fp8 KV pools, n-gram
            speculative decoding, prefix hits, and a structured-output request when llguidance
@@ -58,8 +63,6 @@ import asyncio
 import collections
 import contextlib
 import gc
-import glob
-import gzip
 import json
 import os
 import shutil
@@ -68,6 +71,7 @@ import time
 
 import numpy as np
 
+from benchmarks import trace_kernels
 from benchmarks.e2e_decode import TINY_CONFIG, model_folder
 from benchmarks.result_rows import Rows
 from jaxkv.engine.gc_heap import freeze_startup_heap, release_frozen_heap
@@ -214,33 +218,6 @@ def step_moves(runner, t: int, k: int = 1) -> dict | None:
     return None if exe is None else moves(large_values(exe.as_text(), 1 << 20))
 
 
-def gpu_idle(trace_dir: str, steps: int) -> dict:
-    """GPU busy ms (the union of the kernels' intervals over every GPU stream), idle ms and
-    the idle share over the span from the first kernel to the last, and kernels per step
-    (`steps` engine steps traced), from the Chrome trace jax.profiler wrote under
-    `trace_dir`; Nones without GPU events (the CPU)."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*trace.json.gz"), recursive=True),
-                   key=lambda f: "perfetto" not in f)  # perfetto_trace.json.gz first
-    none = {"gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_idle_share": None}
-    if not files:
-        return none
-    ev = json.load(gzip.open(files[0]))["traceEvents"]
-    pids = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
-            and "GPU" in str(e.get("args", {}).get("name"))}
-    ks = sorted((e for e in ev if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
-    if not ks:
-        return none
-    busy, lo, hi = 0.0, ks[0]["ts"], ks[0]["ts"]  # the union of [ts, ts + dur)
-    for e in ks:
-        if e["ts"] > hi:
-            busy, lo = busy + hi - lo, e["ts"]
-        hi = max(hi, e["ts"] + e["dur"])
-    busy += hi - lo
-    span = hi - ks[0]["ts"]
-    return {"gpu_busy_ms": round(busy / 1e3, 2), "gpu_idle_ms": round((span - busy) / 1e3, 2),
-            "gpu_idle_share": round(1 - busy / span, 4), "kernels_per_step": len(ks) // steps}
-
-
 def trace_row(llm, cfg: dict, p: dict, rows: Rows, batch: int) -> None:
     """A profiler trace of `trace_steps` steady decode steps at `batch` (its prefill outside)."""
     import jax
@@ -249,8 +226,9 @@ def trace_row(llm, cfg: dict, p: dict, rows: Rows, batch: int) -> None:
     most = llm.llm_engine.max_model_len - p["prompt_len"]
     steady_decode(llm.llm_engine, ps, p["trace_steps"], "t", most,
                   lambda: jax.profiler.trace(where, create_perfetto_trace=True))
+    ks = trace_kernels.load_kernels(where)
     rows.add(stage="trace", batch=batch, decode_steps=p["trace_steps"],
-             **gpu_idle(where, p["trace_steps"]))
+             **trace_kernels.gpu_idle(ks, p["trace_steps"]), **trace_kernels.kernel_mix(ks, p["trace_steps"]))
     shutil.rmtree(where, ignore_errors=True)
 
 

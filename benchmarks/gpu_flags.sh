@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Issue 38, item 4, on a lent GPU, in a call of its own after gpu_check.sh (about 6 minutes):
-# does XLA's command buffer (CUDA graphs) cut the ~520 kernel launches of a step, and what do
-# fused projections with XLA's dot merger off save against 2026-12-04's layout? The decode
-# and trace stages of benchmarks/gpu_engine.py (Llama-3-8B shapes, random weights; batch 1 and
+# what jaxkv's choices for XLA:GPU save against 2026-12-04's, one at a time. The decode and
+# trace stages of benchmarks/gpu_engine.py (Llama-3-8B shapes, random weights; batch 1 and
 # 128, each with the step run ahead dispatched on the engine thread and from the launcher's;
-# the trace's GPU idle share and kernels per step at 128) once per XLA_FLAGS variant:
-#   default   the command buffer as jax ships it, and jaxkv's layout: q/k/v and gate/up fused
-#             into one weight each, XLA's dot merger off (jaxkv/runner/xla_options.py)
-#   before    2026-12-04's layout: the projections apart (--projections unfused) and XLA's dot
-#             merger at its default (32 MiB: q/k/v's weights concatenated, a copy, every step),
-#             named in XLA_FLAGS, which jaxkv then leaves alone
-#   off       --xla_gpu_enable_command_buffer= (every kernel launched one by one)
-#   all       every command type, conditionals (fused sampling's switch) and loops (multi-step)
-#             included, in graphs from one op up
+# the trace's GPU idle share, kernels per step and kernel time by kind at 128) once per
+# XLA_FLAGS variant:
+#   default   jaxkv's choices: q/k/v and gate/up fused into one weight each, XLA's dot merger
+#             off, conditionals (fused sampling's switch) and loops (multi-step decode) inside
+#             the command buffer (jaxkv/runner/xla_options.py)
+#   before    2026-12-04's: the projections apart (--projections unfused), XLA's dot merger at
+#             its default (32 MiB: q/k/v's weights concatenated, a copy, every step) and XLA's
+#             default command types, named in XLA_FLAGS, which jaxkv then leaves alone
+#   sync      the default but XLA's default command types: the sampling switch a thunk that
+#             blocks the dispatching thread until the step's forward pass is done (its
+#             decode rows' dispatch_ms near device_step_ms says it did)
+#   cublas    the default with --xla_gpu_enable_triton_gemm=false: every dot by cuBLAS
+#             (2026-12-04's trace: q/k/v and o_proj ran as Triton gemm fusions at 1.9-2.4
+#             TB/s, gate/up/down by cuBLAS at 3.5)
 #
 #   bash benchmarks/gpu_flags.sh                 # on the GPU machine
 #   bash benchmarks/gpu_flags.sh --cpu-dry-run   # a tiny model on the CPU: the flags parse,
@@ -37,16 +41,17 @@ else
   ARGS=(--config benchmarks/configs/llama3-8b --batches 1 128 --stages decode trace)
   LIMIT=130
 fi
-ALL=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION
+XLA_TYPES=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN  # XLA's default command types
 : > "$RES/flags.tsv"
 fail=0
-for variant in default before off all; do
+for variant in default before sync cublas; do
   extra=()
   case $variant in
     default) flags="" ;;
-    before) flags="--xla_gpu_dot_merger_threshold_mb=32"; extra=(--projections unfused) ;;
-    off) flags="--xla_gpu_enable_command_buffer=" ;;
-    all) flags="--xla_gpu_enable_command_buffer=$ALL --xla_gpu_graph_min_graph_size=1" ;;
+    before) flags="--xla_gpu_dot_merger_threshold_mb=32 --xla_gpu_enable_command_buffer=$XLA_TYPES"
+            extra=(--projections unfused) ;;
+    sync) flags="--xla_gpu_enable_command_buffer=$XLA_TYPES" ;;
+    cublas) flags="--xla_gpu_enable_triton_gemm=false" ;;
   esac
   out="$RES/flags_$variant"
   mkdir -p "$out"

@@ -1,10 +1,9 @@
 """The step run ahead is dispatched from a thread of its own, off the engine thread.
 
-Dispatching a step program is host work that grows with the program: XLA:GPU enqueues its
-~520 kernels one by one from the calling thread (3.3-5.5 ms per step of Llama-3-8B shapes on
-the H200, 2026-12-04), and on any platform the call checks each of its ~300 argument buffers
-(~0.6 ms on this project's 2-core CPU for a 32-layer model). jaxlib releases the GIL while it
-does so. Async scheduling (jaxkv/runner/lookahead.py) dispatches the next decode step before
+Dispatching a step program is host work that grows with the program: enqueueing one of
+Llama-3-8B shapes took 3.3-5.5 ms on the H200 (2026-12-04; its ~520 kernels ran as CUDA
+graphs), and on any platform the call checks each of its ~300 argument buffers (~0.6 ms on
+this project's 2-core CPU for a 32-layer model). jaxlib releases the GIL while it does so. Async scheduling (jaxkv/runner/lookahead.py) dispatches the next decode step before
 this step's tokens reach the host; with a Launcher that dispatch is handed to one worker
 thread, so the engine thread goes on at once (reading this step's tokens, updating the
 requests, detokenizing, scheduling) while the worker enqueues the step. The host's prep of the

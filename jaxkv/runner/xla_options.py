@@ -14,6 +14,21 @@ one device): the merger then has nothing of theirs to concatenate, and this opti
 from concatenating the dots that stay apart (quantized projections, a mixture of experts'
 shared expert and router).
 
+On a GPU, also `xla_gpu_enable_command_buffer` = XLA's default command types plus CONDITIONAL
+and WHILE. XLA:GPU runs a conditional that is not inside a command buffer (a CUDA graph) as
+a ConditionalThunk, and a loop of unknown trip count as a WhileThunk: each copies its
+predicate to the host and blocks the calling thread until the stream reaches it
+(`stream.BlockHostUntilDone()`, xla/backends/gpu/runtime/conditional_thunk.cc and
+while_thunk.cc in XLA). Every step program that fuses sampling has one such conditional, the
+`lax.switch` on StepInput.sample_mode (jaxkv/sampling/fused_sampling.py), after the model:
+so enqueueing step N would wait for step N's forward pass to finish on the device, and step
+N + 1's enqueueing (3.3-5.5 ms of host time per step on 2026-12-04's H200) could not overlap
+step N on the device. Multi-step decode's loop runs until its longest sequence's steps are
+done (jaxkv/runner/multi_step.py), a wait per iteration. XLA's default command types leave
+both out (xla/debug_options_flags.cc); with them in, a conditional or loop whose branches and
+body are all capturable becomes a CUDA graph conditional node, decided on the device, and the
+host goes on. One that is not capturable stays a thunk, as without the option.
+
 An option that XLA_FLAGS names is left to XLA_FLAGS (an experiment's choice wins), and other
 platforms get none.
 """
@@ -22,7 +37,10 @@ from __future__ import annotations
 
 import os
 
-GPU_STEP_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+# XLA's default command types (jax 0.10-0.11), then the two that keep the host going.
+COMMAND_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
+GPU_STEP_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0,
+                    "xla_gpu_enable_command_buffer": COMMAND_TYPES}
 
 
 def step_compiler_options(platform: str, xla_flags: str | None = None) -> dict:

@@ -50,43 +50,82 @@ def test_the_dry_run_writes_every_stage(tmp_path):
 
 def test_the_command_buffer_variants_dry_run(tmp_path):
     """benchmarks/gpu_flags.sh --cpu-dry-run: the decode and trace stages once per XLA_FLAGS
-    variant (command buffers as shipped; 2026-12-04's layout: projections apart and XLA's dot
-    merger on; command buffers off; every type): the flags parse and every variant
-    writes its rows (XLA:CPU ignores them; the H200 is where they count)."""
+    variant (jaxkv's choices; 2026-12-04's: projections apart, XLA's dot merger on and its
+    default command types; those types alone; every dot by cuBLAS): the flags parse and every
+    variant writes its rows (XLA:CPU ignores them; the H200 is where they count)."""
     p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     status = [line.split("\t") for line in (tmp_path / "flags.tsv").read_text().splitlines()]
-    assert [(v, ok) for v, ok, *_ in status] == [("default", "ok"), ("before", "ok"), ("off", "ok"), ("all", "ok")]
-    assert "CONDITIONAL,WHILE" in status[3][3]
+    variants = ("default", "before", "sync", "cublas")
+    assert [(v, ok) for v, ok, *_ in status] == [(v, "ok") for v in variants]
+    xla_types = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+    assert status[0][3] == "" and status[2][3] == xla_types and "CONDITIONAL" not in status[1][3]
     assert "dot_merger_threshold_mb=32" in status[1][3] and "--projections unfused" in status[1][3]
-    for variant in ("default", "before", "off", "all"):
+    assert xla_types in status[1][3] and status[3][3] == "--xla_gpu_enable_triton_gemm=false"
+    for variant in variants:
         rows = [json.loads(x) for x in (tmp_path / f"flags_{variant}" / "5_gpu_engine.jsonl").read_text().splitlines()]
         decode = [(r["batch"], r["launched"], r["fused_projections"]) for r in rows if r["stage"] == "decode"]
         assert decode == [(1, False, False), (1, True, False), (4, False, False), (4, True, False)], variant
         assert [r["stage"] for r in rows].count("trace") == 1
 
 
+def _write_trace(folder, events) -> None:
+    import gzip
+    run = folder / "plugins" / "profile" / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+META = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+
+
 def test_gpu_idle_time_from_a_trace(tmp_path):
     """Two steps on a GPU process, 5 ms apart, one kernel overlapping another on a second
     stream (counted once in the busy time): busy, idle, the idle share and kernels per step
     come from the Chrome trace's events; a CPU-only trace gives Nones."""
-    import gzip
-
-    from benchmarks.gpu_engine import gpu_idle
-    meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+    from benchmarks.trace_kernels import gpu_idle, load_kernels
     kernels = [{"ph": "X", "pid": 7, "ts": ts, "dur": 1000, "name": "k"}
                for ts in (0, 1000, 7000, 8000)]
     kernels.append({"ph": "X", "pid": 7, "ts": 7500, "dur": 1000, "name": "other stream"})
     host = [{"ph": "X", "pid": 1, "ts": 0, "dur": 9000, "name": "step"}]
-    run = tmp_path / "plugins" / "profile" / "run"
-    run.mkdir(parents=True)
-    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": meta + kernels + host}, f)
-    assert gpu_idle(str(tmp_path), 2) == {"gpu_busy_ms": 4.0, "gpu_idle_ms": 5.0,
-                                       "gpu_idle_share": 0.5556, "kernels_per_step": 2}
-    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": meta[1:] + host}, f)
-    assert gpu_idle(str(tmp_path), 2)["gpu_idle_share"] is None
+    _write_trace(tmp_path, META + kernels + host)
+    assert gpu_idle(load_kernels(str(tmp_path)), 2) == {
+        "gpu_busy_ms": 4.0, "gpu_idle_ms": 5.0, "gpu_idle_share": 0.5556, "kernels_per_step": 2}
+    _write_trace(tmp_path, META[1:] + host)
+    assert load_kernels(str(tmp_path)) == [] and gpu_idle([], 2)["gpu_idle_share"] is None
+
+
+def test_kernel_time_by_kind_and_steps_from_a_trace(tmp_path, capsys):
+    """Kernel names sorted into kinds as the 2026-12-04 H200 trace names them (cuBLAS's
+    nvjet_*, XLA's Triton gemm fusions, the Pallas kernels, XLA's scatter fusions for the
+    K/V write), per step, with the share run inside CUDA graphs; the command line splits the
+    kernels into bursts at the host's gaps and picks those holding a named kernel."""
+    from benchmarks import trace_kernels as tk
+    names = ["gemm_fusion_dot_32", "input_scatter_fusion_62", "paged_attention_decode",
+             "nvjet_sm90_tst_128x128_64x6_4x1_v_bz_NNT", "loop_add_fusion_1"]
+    assert [tk.kind(n) for n in names] == ["gemm", "kv_write", "attention", "gemm", "other"]
+    assert tk.kind("ragged_paged_attention") == "attention"
+    graph = {"cuda_graph_id": "194", "hlo_op": "command_buffer_1"}
+    kernels, ts = [], 0
+    for step in range(2):  # two steps of 5 kernels, 10 us apart within, 2 ms between steps
+        for n in names:
+            kernels.append({"ph": "X", "pid": 7, "ts": ts, "dur": 100 if "nvjet" in n else 20, "name": n,
+                            "args": graph if n != "loop_add_fusion_1" else {}})
+            ts += 110
+        ts += 2000
+    kernels.append({"ph": "X", "pid": 7, "ts": ts, "dur": 5, "name": "sampler_reduce"})  # a burst alone
+    _write_trace(tmp_path, META + kernels)
+    ks = tk.load_kernels(str(tmp_path))
+    mix = tk.kernel_mix(ks[:10], 2)
+    assert mix["kernel_ms_per_step"] == {"attention": 0.02, "gemm": 0.12, "kv_write": 0.02, "other": 0.02}
+    assert mix["in_graphs"] == round(160 / 180, 4)
+    assert mix["top_kernels"][0] == ["nvjet_sm90_tst_128x128_64x6_4x1_v_bz_NNT", 0.1, 1.0]
+    assert [len(b) for b in tk.bursts(ks, 1000)] == [5, 5, 1]
+    tk.main([str(tmp_path), "--with", "paged_attention", "--last", "5"])
+    out = capsys.readouterr().out
+    assert "2 bursts hold a kernel named 'paged_attention'" in out
+    assert out.count('"kernels": 5') == 2 and "sampler_reduce" not in out

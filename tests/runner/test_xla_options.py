@@ -12,10 +12,39 @@ from tests.runner.test_compilation import TINY_CONFIG
 
 
 def test_options_by_platform_and_xla_flags():
-    assert step_compiler_options("gpu", "") == GPU_STEP_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 0}
+    merger, graphs = "xla_gpu_dot_merger_threshold_mb", "xla_gpu_enable_command_buffer"
+    assert step_compiler_options("gpu", "") == GPU_STEP_OPTIONS
+    assert GPU_STEP_OPTIONS[merger] == 0
+    types = GPU_STEP_OPTIONS[graphs].split(",")
+    assert {"CONDITIONAL", "WHILE"} <= set(types)  # the sampling switch and multi-step's loop
+    assert {"FUSION", "CUBLAS", "CUSTOM_CALL"} <= set(types)  # XLA's defaults kept
     assert step_compiler_options("cpu", "") == {} and step_compiler_options("tpu", "") == {}
-    assert step_compiler_options("gpu", "--xla_gpu_dot_merger_threshold_mb=32 --xla_dump_to=x") == {}
-    assert step_compiler_options("gpu", "--xla_gpu_enable_command_buffer=") == GPU_STEP_OPTIONS
+    assert step_compiler_options("gpu", "--xla_gpu_dot_merger_threshold_mb=32 --xla_dump_to=x") == {
+        graphs: GPU_STEP_OPTIONS[graphs]}
+    assert step_compiler_options("gpu", "--xla_gpu_enable_command_buffer=") == {merger: 0}
+    both = "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_dot_merger_threshold_mb=32"
+    assert step_compiler_options("gpu", both) == {}
+
+
+def test_xla_parses_every_command_type(tmp_path):
+    """The command types are names this jaxlib knows (a name it does not know fails the
+    compile: 'not a valid enum value'), and the option sets the whole list: XLA's dump of the
+    program's debug options holds exactly these types."""
+    import os
+    import subprocess
+    import sys
+    code = ("import jax, jax.numpy as jnp\n"
+            "from jaxkv.runner.xla_options import GPU_STEP_OPTIONS as o\n"
+            "jax.jit(lambda x: x + 1, compiler_options=o).lower(jnp.ones(3)).compile()\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    dumped = [f for f in os.listdir(tmp_path) if f.endswith("jit__lambda.debug_options")]
+    assert len(dumped) == 1, os.listdir(tmp_path)
+    text = (tmp_path / dumped[0]).read_text()
+    got = {line.split(":")[1].strip() for line in text.splitlines()
+           if line.startswith("xla_gpu_enable_command_buffer:")}
+    assert got == set(GPU_STEP_OPTIONS["xla_gpu_enable_command_buffer"].split(","))
+    assert "xla_gpu_dot_merger_threshold_mb: 0" in text
 
 
 def test_the_step_programs_get_the_options(tmp_path, monkeypatch):
