@@ -3,7 +3,6 @@ GPU unless XLA_FLAGS names it, nothing elsewhere; the options reach the jax.jit 
 of multi-step's k-step program, and no other program's."""
 
 import jax
-import pytest
 
 from jaxkv.runner import model_runner
 from jaxkv.runner.xla_options import GPU_STEP_OPTIONS, step_compiler_options
