@@ -14,8 +14,9 @@
 # GPU idle time, cold warmup, an offline workload, a serving run, a smoke pass of new paths).
 # A failing or timed-out stage is recorded and the next one still runs; the exit status is
 # non-zero if any stage failed. jaxkv's XLA:GPU choices (fused projections, the dot merger off,
-# conditionals in the command buffer) are measured one at a time by benchmarks/gpu_flags.sh,
-# in a device call of its own (it would not fit this one's time).
+# fused sampling's switch in the command buffer, cuBLAS or Triton gemms, scanned layers) are
+# measured one at a time by benchmarks/gpu_flags.sh, in a device call of its own (it would
+# not fit this one's time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

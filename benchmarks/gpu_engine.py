@@ -22,7 +22,10 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            step run ahead dispatched on the engine thread ("launched": false), then from the
            launcher's thread (true, the default; jaxkv/runner/launcher.py). Each row also
            says whether the projections were fused (`--projections fused|unfused` forces it:
-           an A/B) and what the step program moves without computing (hlo_moves).
+           an A/B), whether its layers are scanned (`--scan-layers`: the decode stage's
+           engine runs them as one loop over stacked weights) and what the step program
+           moves without computing (hlo_moves: a scan that copies each layer's slice of its
+           weights out shows dynamic-slice moves there).
   trace    on that engine, a jax.profiler trace of 32 steady decode steps at batch 128 (the
            largest batch below it on a dry run): GPU busy time (the union of the kernels'
            intervals), idle time and share, kernels per step (None without GPU events),
@@ -82,11 +85,11 @@ from jaxkv.engine.output_pipeline import OutputPipeline
 FULL = dict(batches=[1, 32, 128, 256], prompt_len=128, decode_tokens=32, reps=30,
             kv="24GiB", offline_requests=400, serving_requests=100, serving_rate=20.0,
             max_num_seqs=256, max_model_len=2048, trace_steps=32, token_buckets=None, k=1, multi_k=4,
-            repetition_penalty=1.0)
+            repetition_penalty=1.0, scan=False)
 DRY = dict(batches=[1, 4], prompt_len=8, decode_tokens=4, reps=3, kv="32MiB",
            offline_requests=12, serving_requests=6, serving_rate=50.0, max_num_seqs=8,
            max_model_len=256, trace_steps=4, token_buckets=(4, 32), k=1, multi_k=4,
-           repetition_penalty=1.0)
+           repetition_penalty=1.0, scan=False)
 
 
 def percentile(xs, q: float):
@@ -177,7 +180,7 @@ def decode_engine(folder: str, p: dict, backend: str):
     llm = LLM(model=folder, load_format="dummy", attention_backend=backend, num_scheduler_steps=p["k"],
               max_model_len=p["prompt_len"] + most, max_num_seqs=b, max_num_batched_tokens=budget,
               token_buckets=tuple(sorted({*p["batches"], budget})), enable_prefix_caching=False,
-              kv_cache_memory_bytes=p["kv"])
+              kv_cache_memory_bytes=p["kv"], scan_layers=p["scan"])
     return llm, most
 
 
@@ -203,7 +206,7 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
              launched=launch and runner.launcher is not None,
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), hlo_moves=step_moves(runner, b, p["k"]),
-             fused_projections=runner.model.fused_projections,
+             fused_projections=runner.model.fused_projections, scan_layers=runner.model.scan_layers,
              device=str(jax.devices()[0]))
 
 
@@ -409,6 +412,8 @@ def main(argv=None) -> None:
                     help="the decode stage's multi-step decode k (jaxkv/runner/multi_step.py)")
     ap.add_argument("--repetition-penalty", type=float,
                     help="the decode stage's rows sample with it (1: off; else each reads its history)")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="the decode stage's engine runs its layers as one loop (scan_layers)")
     ap.add_argument("--projections", choices=("auto", "fused", "unfused"), default="auto",
                     help="q/k/v and gate/up weights: the engine's choice (fused on a GPU) or forced")
     a = ap.parse_args(argv)
@@ -417,7 +422,7 @@ def main(argv=None) -> None:
     p, backend = (DRY, "pallas") if a.cpu_dry_run else (FULL, "auto")
     given = (("batches", a.batches), ("decode_tokens", a.decode_tokens),
              ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes), ("k", a.num_scheduler_steps),
-             ("repetition_penalty", a.repetition_penalty))
+             ("repetition_penalty", a.repetition_penalty), ("scan", a.scan_layers or None))
     p = {**p, **{k: v for k, v in given if v is not None}}
     backend = a.attention_backend or backend
     os.environ.setdefault("JAXKV_COMPILATION_CACHE", "0")  # the warmup row: a cold start

@@ -6,26 +6,36 @@
 # the trace's GPU idle share, kernels per step and kernel time by kind at 128) once per
 # XLA_FLAGS variant:
 #   default   jaxkv's choices: q/k/v and gate/up fused into one weight each, XLA's dot merger
-#             off, conditionals (fused sampling's switch) and loops (multi-step decode) inside
-#             the command buffer (jaxkv/runner/xla_options.py)
+#             off, XLA's default command types plus WHILE (multi-step decode's loop;
+#             jaxkv/runner/xla_options.py)
 #   before    2026-12-04's: the projections apart (--projections unfused), XLA's dot merger at
-#             its default (32 MiB: q/k/v's weights concatenated, a copy, every step) and XLA's
-#             default command types, named in XLA_FLAGS, which jaxkv then leaves alone
-#   sync      the default but XLA's default command types: the sampling switch a thunk that
-#             blocks the dispatching thread until the step's forward pass is done (its
-#             decode rows' dispatch_ms near device_step_ms says it did)
+#             jaxlib 0.10.2's default (64 MiB: the q/k/v dots merged into one Triton gemm
+#             fusion reading the three weights) and XLA's default command types, named in
+#             XLA_FLAGS, which jaxkv then leaves alone
+#   sync      the default but CONDITIONAL out of the command types: fused sampling's switch a
+#             thunk that blocks the dispatching thread until the step's forward pass is done
+#             (dispatch_ms near device_step_ms); beside `default` it says whether XLA's
+#             defaults capture the switch (then default's dispatch_ms is well below)
 #   cublas    the default with --xla_gpu_enable_triton_gemm=false: every dot by cuBLAS
 #             (2026-12-04's trace: q/k/v and o_proj ran as Triton gemm fusions at 1.9-2.4
 #             TB/s, gate/up/down by cuBLAS at 3.5)
+#   scan      the default with the layers as one loop over stacked weights (--scan-layers):
+#             ~10 weight arguments instead of ~195, one layer compiled instead of 32; its
+#             hlo_moves say whether XLA copies each layer's slice out (dynamic-slice)
 #
-#   bash benchmarks/gpu_flags.sh                 # on the GPU machine
+#   bash benchmarks/gpu_flags.sh                 # on the GPU machine: every variant, in order
+#   bash benchmarks/gpu_flags.sh sync scan       # some of them (rows of one call compare)
 #   bash benchmarks/gpu_flags.sh --cpu-dry-run   # a tiny model on the CPU: the flags parse,
 #                                                # XLA:CPU ignores them (a test runs this)
 #
+# Each variant gets LIMIT seconds (5 x 110 s fit one 600 s device call; a variant cut short
+# keeps the rows it wrote).
+#
 # Rows: $OUT/flags_<variant>/5_gpu_engine.jsonl (else benchmarks/results/gpu/flags_<variant>);
-# each variant's status, seconds and flags in $OUT/flags.tsv. A variant that fails (a flag this
-# jaxlib does not know) is recorded and the next one still runs. Compare the variants' rows of
-# one run only.
+# each variant's status, seconds and flags in $OUT/flags.tsv; whether jaxkv's list of XLA's
+# default command types is this jaxlib's in $OUT/xla_defaults.json. A variant that fails (a
+# flag this jaxlib does not know) is recorded and the next one still runs. Compare the
+# variants' rows of one run only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -34,24 +44,37 @@ PY=${PY:-python3}
 RES=${OUT:-$ROOT/benchmarks/results/gpu}
 mkdir -p "$RES"
 if [[ "${1:-}" == "--cpu-dry-run" ]]; then
+  shift
   export JAX_PLATFORMS=cpu
   ARGS=(--cpu-dry-run --batches 1 4 --stages decode trace)
   LIMIT=240
 else
   ARGS=(--config benchmarks/configs/llama3-8b --batches 1 128 --stages decode trace)
-  LIMIT=130
+  LIMIT=110
 fi
-XLA_TYPES=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN  # XLA's default command types
+VARIANTS=("$@")
+[[ ${#VARIANTS[@]} -gt 0 ]] || VARIANTS=(default before sync cublas scan)
+for variant in "${VARIANTS[@]}"; do
+  case $variant in
+    default|before|sync|cublas|scan) ;;
+    *) echo "gpu_flags.sh: no variant $variant (default, before, sync, cublas, scan)" >&2; exit 2 ;;
+  esac
+done
+XLA_TYPES=$($PY -c "from jaxkv.runner.xla_options import XLA_DEFAULT_TYPES as t; print(t)")
+NO_CONDITIONAL=${XLA_TYPES/CONDITIONAL,/}
+# Whether XLA_TYPES is this jaxlib's default list, and its dot merger threshold.
+$PY -m benchmarks.xla_defaults > "$RES/xla_defaults.json" 2>&1 || true
 : > "$RES/flags.tsv"
 fail=0
-for variant in default before sync cublas; do
+for variant in "${VARIANTS[@]}"; do
   extra=()
   case $variant in
     default) flags="" ;;
-    before) flags="--xla_gpu_dot_merger_threshold_mb=32 --xla_gpu_enable_command_buffer=$XLA_TYPES"
+    before) flags="--xla_gpu_dot_merger_threshold_mb=64 --xla_gpu_enable_command_buffer=$XLA_TYPES"
             extra=(--projections unfused) ;;
-    sync) flags="--xla_gpu_enable_command_buffer=$XLA_TYPES" ;;
+    sync) flags="--xla_gpu_enable_command_buffer=$NO_CONDITIONAL" ;;
     cublas) flags="--xla_gpu_enable_triton_gemm=false" ;;
+    scan) flags=""; extra=(--scan-layers) ;;
   esac
   out="$RES/flags_$variant"
   mkdir -p "$out"

@@ -114,19 +114,24 @@ def copies(values: list[dict]) -> list[dict]:
     return [v for v in values if v["opcode"] in COPIES]
 
 
-# A value that only moves data: a copy, a concatenation or a transpose, as an op or as the
-# fusion XLA names after its root (copy_fusion, loop_concatenate_fusion, input_transpose_fusion).
-_MOVE = re.compile(r"copy|concatenate|transpose")
+# A value that only moves data: a copy, a concatenation, a transpose or a dynamic slice (a
+# layer's weights taken out of a stack: scan_layers), as an op or as the fusion XLA names after
+# its root (copy_fusion, loop_concatenate_fusion, input_transpose_fusion,
+# dynamic-slice_bitcast_fusion; not XLA:GPU's address computations, which copy nothing).
+_MOVE = re.compile(r"copy|concatenate|transpose|dynamic[-_]slice")
 
 
 def moves(values: list[dict]) -> dict[str, list]:
     """{kind: [count, GiB]} of `large_values`' values that only move data (copy, concatenate,
-    transpose: the op, or a fusion named after one), e.g. XLA:GPU's dot merger concatenating
-    a layer's weights on every step; {} when none."""
+    transpose, dynamic-slice: the op, or a fusion named after one), e.g. XLA:GPU's dot merger
+    concatenating a layer's weights on every step, or a scan copying each layer's slice of
+    its stacked weights out; {} when none."""
     total: dict[str, list] = {}
     for v in values:
-        m = _MOVE.search(v["opcode"]) or (v["opcode"] == "fusion" and _MOVE.search(v["name"]))
+        m = _MOVE.search(v["opcode"]) or (v["opcode"] == "fusion" and "address" not in v["name"]
+                                          and _MOVE.search(v["name"]))
         if m:
-            count, size = total.get(m.group(0), (0, 0))
-            total[m.group(0)] = [count + 1, size + v["bytes"]]
+            kind = m.group(0).replace("_", "-")
+            count, size = total.get(kind, (0, 0))
+            total[kind] = [count + 1, size + v["bytes"]]
     return {kind: [count, round(size / 2**30, 4)] for kind, (count, size) in total.items()}

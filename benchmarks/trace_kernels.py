@@ -6,8 +6,10 @@ A Chrome trace (what `jax.profiler.trace` writes, `perfetto_trace.json.gz` or
 `*.trace.json.gz`) holds one "X" event per kernel on the processes named after a GPU. The
 engine's steps show there as bursts of kernels split by the host's gaps (`--step-gap-ms`).
 The command line prints, for the bursts holding a kernel whose name contains `--with`
-(default: every burst; the last `--last` of them), each burst's span, busy time, kernel count
-and time by kind, and the kernels of the last one grouped by name. `benchmarks/gpu_engine.py`
+(default: every burst; the last `--last` of them), each burst's span, busy time, kernel count,
+kernels per XLA module (a burst may hold two steps, or a step and its sampler program, when
+the host's gap between them was short) and time by kind, and the kernels of the last one
+grouped by name. Memory copies are not kernels here. `benchmarks/gpu_engine.py`
 puts `gpu_idle` and `kernel_mix` of its trace stage in its rows.
 
 Kinds, by kernel name (XLA names a fusion after its root, cuBLAS's Hopper kernels are
@@ -26,13 +28,16 @@ import gzip
 import json
 import os
 
-GEMM = ("gemm", "nvjet", "cutlass", "cublas", "xmma", "sm90_")
+GEMM = ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "sm90_", "matmul", "splitk")
 
 
 def load_kernels(path: str) -> list[dict]:
-    """The GPU kernel events ("X" events of the processes named after a GPU), by start time,
-    from a trace file or the newest-layout file under a folder jax.profiler wrote
-    (perfetto_trace.json.gz first); [] when there is none or it holds no GPU event."""
+    """The GPU kernel events ("X" events of the processes named after a GPU; memory copies
+    left out), by start time, from a trace file or the newest-layout file under a folder
+    jax.profiler wrote (perfetto_trace.json.gz first); [] when there is none or it holds no
+    GPU event. FileNotFoundError for a path that does not exist."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no trace at {path}")
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "**", "*trace.json.gz"), recursive=True),
                        key=lambda f: "perfetto" not in f)
@@ -42,7 +47,13 @@ def load_kernels(path: str) -> list[dict]:
     ev = json.load(gzip.open(path))["traceEvents"]
     pids = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
             and "GPU" in str(e.get("args", {}).get("name"))}
-    return sorted((e for e in ev if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
+    return sorted((e for e in ev if e.get("ph") == "X" and e.get("pid") in pids and not _copy(e)),
+                  key=lambda e: e["ts"])
+
+
+def _copy(e: dict) -> bool:
+    """A memory copy (host <-> device, device to device), not a kernel."""
+    return "memcpy_details" in e.get("args", {}) or e["name"].lower().startswith("memcpy")
 
 
 def busy_us(ks: list[dict]) -> float:
@@ -122,6 +133,8 @@ def main(argv=None) -> None:
     ap.add_argument("--with", dest="having", default="", help="bursts holding a kernel so named")
     ap.add_argument("--last", type=int, default=3)
     a = ap.parse_args(argv)
+    if not os.path.exists(a.trace):
+        raise SystemExit(f"no trace at {a.trace}")
     ks = load_kernels(a.trace)
     if not ks:
         raise SystemExit("no GPU kernels in this trace")
@@ -130,8 +143,10 @@ def main(argv=None) -> None:
     print(f"{len(picked)} bursts hold a kernel named {a.having!r}")
     for b in picked[-a.last:]:
         mix = kernel_mix(b, 1)
+        modules = collections.Counter(e.get("args", {}).get("hlo_module", "?") for e in b)
         print(json.dumps({"span_ms": round(span_us(b) / 1e3, 3), "busy_ms": round(busy_us(b) / 1e3, 3),
-                          "kernels": len(b), **{k: mix[k] for k in ("kernel_ms_per_step", "in_graphs")}}))
+                          "kernels": len(b), "modules": dict(modules),
+                          **{k: mix[k] for k in ("kernel_ms_per_step", "in_graphs")}}))
     if picked:
         for name, ms, n in kernel_mix(picked[-1], 1, top=25)["top_kernels"]:
             print(f"{ms:8.3f} ms {n:6.0f}x  {name}")

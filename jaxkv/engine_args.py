@@ -100,6 +100,12 @@ class EngineArgs:
         1, "decode steps per engine step: k > 1 runs up to k steps of a batch of plain decodes "
         "(no logprobs, penalties, logits filters or grammar) in one program, fed back on the "
         "device, as vLLM V0's multi-step scheduling (docs/async-scheduling.md#multi-step-decode)")
+    scan_layers: bool = _arg(
+        False, "run the decoder layers as one loop over their stacked weights instead of "
+        "unrolled: a step program compiled once per layer kind, with ~10 weight arguments "
+        "instead of ~6 a layer; to measure on a GPU (docs/performance.md); refused where the "
+        "layers differ (sliding-window patterns, MoE), for quantized weights and with tensor "
+        "parallelism")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
     attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (ragged paged "
                                   "attention in C++, built on first use with g++; xla, pure "

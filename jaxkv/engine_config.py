@@ -91,6 +91,8 @@ class RunnerConfig:
     quantization: QuantSpec | None = None
     # A mixture of experts' experts placed whole per device (else each expert's columns split).
     expert_parallel: bool = False
+    # The decoder layers as one scan over stacked weights (LlamaModel.scan_layers).
+    scan_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,7 +285,11 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         raise ValueError("async_scheduling is not supported by a multi-process engine yet")
     runner = dataclasses.replace(_runner_config(args, mc, platform, dtype, buckets, speculative,
                                                 num_processes, cpu_kernels_unavailable),
-                                 quantization=quant, expert_parallel=args.enable_expert_parallel)
+                                 quantization=quant, expert_parallel=args.enable_expert_parallel,
+                                 scan_layers=args.scan_layers)
+    if runner.scan_layers and runner.attention_backend == "cpu":
+        raise ValueError("scan_layers: the cpu attention backend's C++ kernel takes its layer as "
+                         "a constant; pick attention_backend xla or pallas")
     return EngineConfig(
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc, cache=cache,
@@ -310,6 +316,10 @@ def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
         raise ValueError(f"quantization {quant.name!r}: quantized experts ({mc.architecture}) "
                          "in GGUF blocks are not kept yet (leave quantization unset: float weights)")
     check_layer_shapes(quant, mc)
+    refusal = args.scan_layers and mc.scan_refusal(
+        quant is not None, tp > 1 or (args.num_processes or 1) > 1)
+    if refusal:
+        raise ValueError(f"scan_layers: {refusal}")
 
 
 def _max_model_len(asked: int | None, mc: ModelConfig) -> int:

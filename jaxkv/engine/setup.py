@@ -78,9 +78,9 @@ def cpu_matmul_wanted(runner_config, mesh) -> bool:
 def fused_projections_wanted(runner_config, mesh) -> bool:
     """Whether each layer's q/k/v and gate/up weights are fused into one weight each
     (LlamaModel.fused_projections): on a GPU, with float weights on one device. There XLA would
-    otherwise run three and two dots, each a launch (or, with its dot merger on, concatenate
-    the weights on every step: jaxkv/runner/xla_options.py); the CPU's C++ kernels already take
-    them in one call."""
+    otherwise run three and two dots, each a launch (or, with its dot merger on, one Triton
+    gemm fusion reading the weights apart, at half cuBLAS's bandwidth on 2026-12-04's H200:
+    jaxkv/runner/xla_options.py); the CPU's C++ kernels already take them in one call."""
     import jax
     return jax.default_backend() == "gpu" and runner_config.quantization is None and mesh is None
 
@@ -222,9 +222,11 @@ def build_model(config, mesh):
     fused = fused_projections_wanted(rc, mesh)
     if fused:
         logger.info("projections fused: q/k/v and gate/up as one weight each (one matmul each)")
+    if rc.scan_layers:
+        logger.info("decoder layers scanned: one loop over %d layers' stacked weights", mc.num_layers)
     model = LlamaModel(mc, dtype=jnp.dtype(rc.dtype),
                        attention=get_attention(rc.attention_backend, mesh), cpu_matmul=cpu_matmul,
-                       quant=rc.quantization, fused_projections=fused)
+                       quant=rc.quantization, fused_projections=fused, scan_layers=rc.scan_layers)
     if fused_sampling.max_tokens(rc.tensor_parallel_size):
         logger.info("sampling fused into the step programs (plain steps: no logprobs, "
                     "penalties, logits filters, grammar or drafts)")

@@ -65,14 +65,15 @@ def restore_params(path: str, model, mesh=None) -> dict:
     model's dtype on the default device, or with a tensor-parallel `mesh` each restored
     straight into its sharding (jaxkv/models/sharding.py: every device reads its own slice).
     ValueError naming the folder when the checkpoint does not hold this model's parameter tree.
-    The folder holds the projections apart: a model that fuses them gets them fused after."""
+    The folder holds the projections apart, a module per layer: a model that fuses them or
+    stacks its layers gets them so after (jaxkv/models/params.py to_layout)."""
     import jax
     import orbax.checkpoint as ocp
 
-    from jaxkv.models.params import fuse_projections, param_shapes, unfused
+    from jaxkv.models.params import param_shapes, to_layout, unfused
 
     if model is not unfused(model):
-        return fuse_projections(restore_params(path, unfused(model), mesh))
+        return to_layout(model, restore_params(path, unfused(model), mesh))
     shapes = param_shapes(model)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -160,11 +160,13 @@ class DecoderLayer(nn.Module):
     cpu_matmul: bool = False
     quant: QuantSpec | None = None
     fused: bool = False  # LlamaModel.fused_projections
+    scanned: bool = False  # LlamaModel.scan_layers: `layer` is traced, every layer alike
 
     @nn.compact
     def __call__(self, carry, layer, rope, step: StepInput, shared):
         x, pool = carry
         c, dt, qs = self.cfg, self.dtype, self.quant
+        static = 0 if self.scanned else layer  # (ModelConfig.scan_refusal: none differs)
         t = x.shape[0]
         norm = lambda name: RMSNorm(c.rms_norm_eps, dt, c.gemma, name=name)  # noqa: E731
         h = norm("input_layernorm")(x)
@@ -187,7 +189,7 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, pool = write_and_attend(self.attention, q, k, v, pool, step, shared, layer=layer,
                                    scale=c.attn_scale or c.head_dim ** -0.5,
-                                   window=c.window(layer), softcap=c.attn_softcap)
+                                   window=c.window(static), softcap=c.attn_softcap)
         o = mm(o.reshape(t, -1), Linear(c.hidden_size, False, dt, qs, name="o_proj"))[0]
         if c.gemma:  # Gemma's norms after attention and around the MLP
             x = x + norm("post_attention_layernorm")(o)
@@ -195,7 +197,7 @@ class DecoderLayer(nn.Module):
         else:
             x = x + o
             h = norm("post_attention_layernorm")(x)
-        if layer in c.moe_layers:  # a sparse MLP (jaxkv/models/moe.py)
+        if static in c.moe_layers:  # a sparse MLP (jaxkv/models/moe.py)
             valid = step.slot_mapping > 0  # not padding (nor a multi-step's row past its steps)
             y, _ = MoE(c, dt, Linear, mm, qs, name="mlp")(h, valid)
             return (x + y, pool), None
@@ -223,13 +225,17 @@ class LlamaModel(nn.Module):
     one [hidden, q + 2 kv] weight (qkv_proj) and its gate/up weights as one [hidden, 2 x
     intermediate] weight (gate_up_proj), one matmul each, as vLLM's QKVParallelLinear and
     MergedColumnParallelLinear (float weights, one device; jaxkv/models/params.py fuses a
-    checkpoint's)."""
+    checkpoint's); `scan_layers`: the decoder layers' params stacked ([num_layers, ...] under
+    "layers", jaxkv/models/params.py stack_layers) and run by one `nn.scan` (a loop in the
+    step program) instead of unrolled: for models whose layers are all alike
+    (ModelConfig.scan_refusal)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention: Attention = get_attention("xla")
     cpu_matmul: bool = False
     quant: QuantSpec | None = None
     fused_projections: bool = False
+    scan_layers: bool = False
 
     def setup(self):
         c = self.cfg
@@ -239,9 +245,14 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                          param_dtype=self.dtype, name="embed_tokens")
-        self.layers = [DecoderLayer(c, self.dtype, self.attention, self.cpu_matmul, self.quant,
-                                    self.fused_projections, name=f"layers_{i}")
-                       for i in range(c.num_layers)]
+        args = (c, self.dtype, self.attention, self.cpu_matmul, self.quant, self.fused_projections)
+        if self.scan_layers:
+            self.layer_scan = nn.scan(DecoderLayer, variable_axes={"params": 0},
+                                   split_rngs={"params": True}, length=c.num_layers,
+                                   in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast))(
+                *args, scanned=True, name="layers")
+        else:
+            self.layers = [DecoderLayer(*args, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma, name="norm")
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, self.dtype, name="lm_head")
@@ -258,8 +269,12 @@ class LlamaModel(nn.Module):
             rope = tuple(t[:, :half] for t in rope)
         carry = (x, kv)
         shared = self.attention.prepare(step, kv.k.shape[2])  # once per step, for every layer
-        for i, layer in enumerate(self.layers):
-            carry, _ = layer(carry, i, local if self.cfg.window(i) else rope, step, shared)
+        if self.scan_layers:
+            layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+            carry, _ = self.layer_scan(carry, layers, local if self.cfg.window(0) else rope, step, shared)
+        else:
+            for i, layer in enumerate(self.layers):
+                carry, _ = layer(carry, i, local if self.cfg.window(i) else rope, step, shared)
         x, kv = carry
         return self.norm(x), kv
 
@@ -281,3 +296,4 @@ class LlamaModel(nn.Module):
         if self.cpu_matmul and cpu_linear.applies(hidden, table, transposed=True):
             return cpu_linear.matmul(hidden, table, transposed=True)[0]
         return self.embed_tokens.attend(hidden).astype(jnp.float32)
+

@@ -84,6 +84,21 @@ class ModelConfig:
         keys before it), or None for global attention."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def scan_refusal(self, quantized: bool, tensor_parallel: bool) -> str | None:
+        """Why the decoder layers cannot run as one scan over stacked weights
+        (LlamaModel.scan_layers), or None: every layer must be alike (one sliding window or
+        none, no mixture of dense and MoE layers), float (quantized layers keep their own
+        leaves) on one device (a tensor-parallel mesh shards each layer on its own)."""
+        if len({self.window(i) for i in range(self.num_layers)}) > 1:
+            return f"{self.architecture}'s layers differ in their sliding windows"
+        if self.moe_layers:
+            return f"{self.architecture}'s mixture-of-experts layers are not scanned"
+        if quantized:
+            return "quantized layers are not scanned"
+        if tensor_parallel:
+            return "a tensor-parallel or multi-process engine shards each layer on its own"
+        return None
+
     @property
     def kv_sliding_window(self) -> int | None:
         """The window behind which no layer reads a sequence's K/V (the largest), when every

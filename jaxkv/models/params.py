@@ -52,9 +52,44 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 def unfused(model):
-    """`model` with its projections apart (itself when they are): the layout checkpoints,
-    converted folders and random weights are made in, before fuse_projections."""
-    return model.clone(fused_projections=False) if getattr(model, "fused_projections", False) else model
+    """`model` in the layout checkpoints, converted folders and random weights are made in
+    (itself when it is): projections apart, a module per layer; `to_layout` then fuses and
+    stacks them as `model` wants."""
+    if getattr(model, "fused_projections", False) or getattr(model, "scan_layers", False):
+        return model.clone(fused_projections=False, scan_layers=False)
+    return model
+
+
+def to_layout(model, params: dict) -> dict:
+    """Params of the unfused layout -> `model`'s: projections fused (fuse_projections), then
+    the layers stacked (stack_layers), as it asks."""
+    if model.fused_projections:
+        params = fuse_projections(params)
+    if model.scan_layers:
+        params = stack_layers(params, model.cfg.num_layers)
+    return params
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Params with a module per layer ("layers_0" .. "layers_{L-1}") -> those of
+    LlamaModel(scan_layers=True), in place: every leaf of the layers stacked along a new
+    leading axis [num_layers, ...] under "layers". Leaf by leaf, each layer's arrays of that
+    leaf dropped once its stack exists, so the device holds one leaf's arrays twice at most
+    (a caller that keeps no other reference to them). Returns `params`. ValueError when the
+    layers' trees differ (a mixture of dense and MoE layers, say)."""
+    layers = [params.pop(f"layers_{i}") for i in range(num_layers)]
+    paths = [jax.tree_util.tree_structure(x) for x in layers]
+    if any(p != paths[0] for p in paths):
+        raise ValueError("scan_layers: the decoder layers' params differ in structure")
+    flat = [jax.tree_util.tree_flatten(x)[0] for x in layers]
+    del layers
+    stacked = []
+    for j in range(len(flat[0])):
+        stacked.append(jnp.stack([leaves[j] for leaves in flat]))
+        for leaves in flat:
+            leaves[j] = None  # (this leaf's per-layer arrays go now)
+    params["layers"] = jax.tree_util.tree_unflatten(paths[0], stacked)
+    return params
 
 
 def fuse_projections(params: dict) -> dict:
@@ -102,7 +137,7 @@ def params_from_tensors(model, tensors: dict[str, np.ndarray]) -> dict:
     Raises ValueError naming the tensor that is missing or has the wrong shape.
     """
     if model is not unfused(model):
-        return fuse_projections(params_from_tensors(unfused(model), tensors))
+        return to_layout(model, params_from_tensors(unfused(model), tensors))
     c: ModelConfig = model.cfg
     shapes = param_shapes(model)
 
@@ -202,9 +237,10 @@ def dummy_params(model, seed: int = 0) -> dict:
     """Random weights of the configured shapes (load_format="dummy"): normal(0, 0.02), norms 1;
     quantized leaves drawn on the device in their own format, weights of about that size
     (jaxkv/quantization/linear.py dummy_leaf: an 8B model's in seconds). A model that fuses its
-    projections gets the unfused layout's weights fused (the same values as unfused)."""
+    projections (or stacks its layers) gets the unfused layout's weights fused (stacked): the
+    same values."""
     if model is not unfused(model):
-        return fuse_projections(dummy_params(unfused(model), seed))
+        return to_layout(model, dummy_params(unfused(model), seed))
     shapes = param_shapes(model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     key = jax.random.PRNGKey(seed)

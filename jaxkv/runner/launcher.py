@@ -3,12 +3,13 @@
 Dispatching a step program is host work that grows with the program: enqueueing one of
 Llama-3-8B shapes took 3.3-5.5 ms on the H200 (2026-12-04; its ~520 kernels ran as CUDA
 graphs), and on any platform the call checks each of its ~300 argument buffers (~0.6 ms on
-this project's 2-core CPU for a 32-layer model). jaxlib releases the GIL while it does so. Async scheduling (jaxkv/runner/lookahead.py) dispatches the next decode step before
-this step's tokens reach the host; with a Launcher that dispatch is handed to one worker
-thread, so the engine thread goes on at once (reading this step's tokens, updating the
-requests, detokenizing, scheduling) while the worker enqueues the step. The host's prep of the
-step (its StepInput, the sampler's arrays) stays on the engine thread: the worker runs only
-the call into the compiled program.
+this project's 2-core CPU for a 32-layer model). jaxlib releases the GIL while it does so.
+Async scheduling (jaxkv/runner/lookahead.py) dispatches the next decode step before this
+step's tokens reach the host; with a Launcher that dispatch is handed to one worker thread, so
+the engine thread goes on at once (reading this step's tokens, updating the requests,
+detokenizing, scheduling) while the worker enqueues the step. The host's prep of the step (its
+StepInput, the sampler's arrays) stays on the engine thread: the worker runs only the call
+into the compiled program.
 
 Order: the worker runs one call at a time, in order, and every other use of the KV pool waits
 for the call in flight to return first (`join`; ModelRunner.kv_cache does so), so programs

@@ -4,30 +4,31 @@ so nothing else in the process changes.
 On a GPU: `xla_gpu_dot_merger_threshold_mb=0`. XLA:GPU's DotMerger pass (hlo/transforms/
 simplifiers/dot_merger.h in XLA) turns dots that share an operand, such as a layer's
 x @ W_q, x @ W_k and x @ W_v, into one dot against the concatenation of their right-hand
-sides, whenever one of them moves fewer bytes than the threshold (32 MiB by default: Llama-3-8B's
-8 MiB k_proj and v_proj weights qualify). Weights are the program's parameters, so that
-concatenation is a copy made on every step: 48 MiB read and written more per layer at 8B
-shapes, ~3 GiB per step over 32 layers, ~0.7 ms at the H200's 4.45 TB/s, where the whole
-weight read at batch 1 takes 3.6 ms. vLLM's answer is to load q/k/v (and gate/up) as one
-fused weight, which jaxkv does too on a GPU (LlamaModel.fused_projections, float weights on
-one device): the merger then has nothing of theirs to concatenate, and this option keeps it
-from concatenating the dots that stay apart (quantized projections, a mixture of experts'
-shared expert and router).
+sides, whenever one of them moves fewer bytes than the threshold (64 MiB in jaxlib 0.10.2:
+Llama-3-8B's 8 MiB k_proj and v_proj weights qualify). On 2026-12-04's H200 that merged q/k/v
+dot ran as one XLA Triton gemm fusion reading the three weights (the concatenation fused into
+it, no copy of its own) at 1.9 TB/s, where cuBLAS read gate/up at 3.5 TB/s
+(docs/performance.md). vLLM loads q/k/v (and gate/up) as one fused weight, which jaxkv does
+too on a GPU (LlamaModel.fused_projections, float weights on one device): one plain dot, and
+this option keeps the merger from joining the dots that stay apart (quantized projections, a
+mixture of experts' shared expert and router).
 
-On a GPU, also `xla_gpu_enable_command_buffer` = XLA's default command types plus CONDITIONAL
-and WHILE. XLA:GPU runs a conditional that is not inside a command buffer (a CUDA graph) as
-a ConditionalThunk, and a loop of unknown trip count as a WhileThunk: each copies its
-predicate to the host and blocks the calling thread until the stream reaches it
-(`stream.BlockHostUntilDone()`, xla/backends/gpu/runtime/conditional_thunk.cc and
-while_thunk.cc in XLA). Every step program that fuses sampling has one such conditional, the
-`lax.switch` on StepInput.sample_mode (jaxkv/sampling/fused_sampling.py), after the model:
-so enqueueing step N would wait for step N's forward pass to finish on the device, and step
-N + 1's enqueueing (3.3-5.5 ms of host time per step on 2026-12-04's H200) could not overlap
-step N on the device. Multi-step decode's loop runs until its longest sequence's steps are
-done (jaxkv/runner/multi_step.py), a wait per iteration. XLA's default command types leave
-both out (xla/debug_options_flags.cc); with them in, a conditional or loop whose branches and
-body are all capturable becomes a CUDA graph conditional node, decided on the device, and the
-host goes on. One that is not capturable stays a thunk, as without the option.
+On a GPU, also `xla_gpu_enable_command_buffer` = XLA's default command types (XLA_DEFAULT_TYPES:
+jaxlib 0.10.2's, CONDITIONAL included; a test checks them against the installed jaxlib) plus
+WHILE. XLA:GPU runs a loop of unknown trip count that is not inside a command buffer (a CUDA
+graph) as a WhileThunk, which copies the loop's predicate to the host and blocks the calling
+thread until the stream reaches it, every iteration (xla/backends/gpu/runtime/while_thunk.cc;
+a conditional outside a graph does the same once, conditional_thunk.cc). Multi-step decode's
+k-step program loops until its longest sequence's steps are done (jaxkv/runner/multi_step.py):
+a wait per decode step. With WHILE a loop whose body is all capturable becomes a CUDA graph
+conditional node, decided on the device, and the host goes on; one that is not stays a thunk,
+as without the option. (Fused sampling's `lax.switch`, jaxkv/sampling/fused_sampling.py, is
+captured by XLA's defaults when every branch is capturable.)
+
+With scanned layers (LlamaModel.scan_layers) each matmul reads a dynamic slice of a stacked
+weight: `xla_gpu_enable_dynamic_slice_fusion` lets XLA hand cuBLAS the slice's address
+instead of copying the slice out first (its DynamicSliceFusion; off by default in XLA), and
+DYNAMIC_SLICE_FUSION, one of the default command types, keeps such calls in the graph.
 
 An option that XLA_FLAGS names is left to XLA_FLAGS (an experiment's choice wins), and other
 platforms get none.
@@ -37,16 +38,20 @@ from __future__ import annotations
 
 import os
 
-# XLA's default command types (jax 0.10-0.11), then the two that keep the host going.
-COMMAND_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
+# XLA's default command types (jaxlib 0.10.2), then the one that keeps the host going.
+XLA_DEFAULT_TYPES = "CONDITIONAL,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION,FUSION"
+COMMAND_TYPES = XLA_DEFAULT_TYPES + ",WHILE"
 GPU_STEP_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0,
                     "xla_gpu_enable_command_buffer": COMMAND_TYPES}
+SCAN_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True}
 
 
-def step_compiler_options(platform: str, xla_flags: str | None = None) -> dict:
+def step_compiler_options(platform: str, xla_flags: str | None = None, scan: bool = False) -> dict:
     """The compiler options of a step program on `platform` (jax's name: "gpu", "cpu", ...):
-    GPU_STEP_OPTIONS on a GPU less those `xla_flags` (default: $XLA_FLAGS) sets; {} elsewhere."""
+    GPU_STEP_OPTIONS (and SCAN_OPTIONS for a model whose layers are scanned) on a GPU, less
+    those `xla_flags` (default: $XLA_FLAGS) sets; {} elsewhere."""
     if platform != "gpu":
         return {}
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    return {k: v for k, v in GPU_STEP_OPTIONS.items() if f"--{k}=" not in flags}
+    wanted = {**GPU_STEP_OPTIONS, **(SCAN_OPTIONS if scan else {})}
+    return {k: v for k, v in wanted.items() if f"--{k}=" not in flags}

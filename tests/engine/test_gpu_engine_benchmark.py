@@ -51,24 +51,34 @@ def test_the_dry_run_writes_every_stage(tmp_path):
 def test_the_command_buffer_variants_dry_run(tmp_path):
     """benchmarks/gpu_flags.sh --cpu-dry-run: the decode and trace stages once per XLA_FLAGS
     variant (jaxkv's choices; 2026-12-04's: projections apart, XLA's dot merger on and its
-    default command types; those types alone; every dot by cuBLAS): the flags parse and every
-    variant writes its rows (XLA:CPU ignores them; the H200 is where they count)."""
+    default command types; those types alone; every dot by cuBLAS; the layers scanned): the
+    flags parse and every variant writes its rows (XLA:CPU ignores them; the H200 is where
+    they count); an unknown variant is refused."""
     p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     status = [line.split("\t") for line in (tmp_path / "flags.tsv").read_text().splitlines()]
-    variants = ("default", "before", "sync", "cublas")
+    variants = ("default", "before", "sync", "cublas", "scan")
     assert [(v, ok) for v, ok, *_ in status] == [(v, "ok") for v in variants]
-    xla_types = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
-    assert status[0][3] == "" and status[2][3] == xla_types and "CONDITIONAL" not in status[1][3]
-    assert "dot_merger_threshold_mb=32" in status[1][3] and "--projections unfused" in status[1][3]
-    assert xla_types in status[1][3] and status[3][3] == "--xla_gpu_enable_triton_gemm=false"
+    from jaxkv.runner.xla_options import XLA_DEFAULT_TYPES
+    no_conditional = "--xla_gpu_enable_command_buffer=" + XLA_DEFAULT_TYPES.replace("CONDITIONAL,", "")
+    assert status[0][3] == "" and status[2][3] == no_conditional and "CONDITIONAL" not in status[2][3]
+    assert "dot_merger_threshold_mb=64" in status[1][3] and "--projections unfused" in status[1][3]
+    assert f"--xla_gpu_enable_command_buffer={XLA_DEFAULT_TYPES} " in status[1][3]
+    assert status[3][3] == "--xla_gpu_enable_triton_gemm=false"
+    assert json.loads((tmp_path / "xla_defaults.json").read_text())["xla_default_types_match"] is True
+    assert status[4][3] == " (--scan-layers)"
     for variant in variants:
         rows = [json.loads(x) for x in (tmp_path / f"flags_{variant}" / "5_gpu_engine.jsonl").read_text().splitlines()]
         decode = [(r["batch"], r["launched"], r["fused_projections"]) for r in rows if r["stage"] == "decode"]
         assert decode == [(1, False, False), (1, True, False), (4, False, False), (4, True, False)], variant
         assert [r["stage"] for r in rows].count("trace") == 1
+        scanned = {r["scan_layers"] for r in rows if r["stage"] == "decode"}
+        assert scanned == {variant == "scan"}, variant
+    p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run", "off"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no variant off" in p.stderr
 
 
 def _write_trace(folder, events) -> None:
@@ -108,7 +118,7 @@ def test_kernel_time_by_kind_and_steps_from_a_trace(tmp_path, capsys):
     names = ["gemm_fusion_dot_32", "input_scatter_fusion_62", "paged_attention_decode",
              "nvjet_sm90_tst_128x128_64x6_4x1_v_bz_NNT", "loop_add_fusion_1"]
     assert [tk.kind(n) for n in names] == ["gemm", "kv_write", "attention", "gemm", "other"]
-    assert tk.kind("ragged_paged_attention") == "attention"
+    assert tk.kind("ragged_paged_attention") == "attention" and tk.kind("gemv2T_kernel") == "gemm"
     graph = {"cuda_graph_id": "194", "hlo_op": "command_buffer_1"}
     kernels, ts = [], 0
     for step in range(2):  # two steps of 5 kernels, 10 us apart within, 2 ms between steps
@@ -118,8 +128,11 @@ def test_kernel_time_by_kind_and_steps_from_a_trace(tmp_path, capsys):
             ts += 110
         ts += 2000
     kernels.append({"ph": "X", "pid": 7, "ts": ts, "dur": 5, "name": "sampler_reduce"})  # a burst alone
+    kernels.append({"ph": "X", "pid": 7, "ts": 50, "dur": 5, "name": "MemcpyH2D",  # not a kernel
+                    "args": {"memcpy_details": "kind_src:pinned"}})
     _write_trace(tmp_path, META + kernels)
     ks = tk.load_kernels(str(tmp_path))
+    assert len(ks) == 11 and not any("Memcpy" in e["name"] for e in ks)
     mix = tk.kernel_mix(ks[:10], 2)
     assert mix["kernel_ms_per_step"] == {"attention": 0.02, "gemm": 0.12, "kv_write": 0.02, "other": 0.02}
     assert mix["in_graphs"] == round(160 / 180, 4)

@@ -74,21 +74,26 @@ def arch(request, tmp_path_factory):
     return request.param, make_hf(request.param, path), path
 
 
-@pytest.mark.parametrize("cpu_matmul,fused", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["xla", "cpu", "xla-fused", "cpu-fused"])
-def test_logits_match_transformers(arch, cpu_matmul, fused):
+@pytest.mark.parametrize("cpu_matmul,fused,scan", [(False, False, False), (True, False, False),
+                                                   (False, True, False), (True, True, False),
+                                                   (False, True, True)],
+                         ids=["xla", "cpu", "xla-fused", "cpu-fused", "xla-fused-scan"])
+def test_logits_match_transformers(arch, cpu_matmul, fused, scan):
     """Prefill, chunks and token-by-token decode; with cpu_matmul the steps of bucket 8 run
     through the C++ few-row matmul, those of buckets 32 and 64 (the chunks, the 41-token
     prefill) through the C++ GEMM; without it every matmul is an XLA dot. `fused`: q/k/v and
     gate/up as one weight each (fused_projections, the GPU's layout), made from the same
-    checkpoint."""
+    checkpoint. `scan`: the layers' weights stacked and run as one loop (scan_layers)."""
     name, hf, path = arch
     ckpt = load_hf_dir(str(path))
     mc = ModelConfig.from_hf_config(ckpt.config)
-    model = LlamaModel(mc, cpu_matmul=cpu_matmul, fused_projections=fused)
+    model = LlamaModel(mc, cpu_matmul=cpu_matmul, fused_projections=fused, scan_layers=scan)
     params = params_from_tensors(model, ckpt.tensors)
-    layer = params["layers_0"]
+    layer = params["layers"] if scan else params["layers_0"]
     assert ("qkv_proj" in layer and "gate_up_proj" in layer) == fused and ("q_proj" in layer) != fused
+    assert ("layers_0" in params) != scan
+    if scan:
+        assert layer["o_proj"]["kernel"].shape[0] == COMMON["num_hidden_layers"]
     config = EngineArgs(block_size=BLOCK, num_gpu_blocks_override=64, max_model_len=128,
                         max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 32, 64),
                         max_logprobs=0).create_engine_config(platform="cpu", model_config=mc)

@@ -99,3 +99,20 @@ def test_moves_count_a_concatenation_of_weights():
         exe = jax.jit(f).lower(jnp.ones((2, 256)), a, b).compile()
         got[name] = moves(large_values(exe.as_text(), a.nbytes))
     assert got["merged"] == {"concatenate": [1, round(2 * a.nbytes / 2**30, 4)]} and got["apart"] == {}
+
+
+def test_moves_count_a_layers_slice_taken_out_of_a_stack():
+    """A loop over stacked weights (scan_layers) on XLA:CPU copies each layer's slice out
+    before its dot: a dynamic-slice move of a layer's weight size; names with "address"
+    (XLA:GPU's address computations, which read the slice in place) are not moves."""
+    w = jnp.ones((4, 256, 512), jnp.float32)  # 512 KiB a layer
+
+    def loop(x, w):
+        return jax.lax.fori_loop(0, w.shape[0], lambda i, h: jnp.tanh(h @ w[i])[:, :256], x)
+
+    exe = jax.jit(loop).lower(jnp.ones((2, 256)), w).compile()
+    got = moves(large_values(exe.as_text(), w.nbytes // 4))
+    assert got.get("dynamic-slice", [0])[0] >= 1, got
+    fake = [{"opcode": "fusion", "name": "dynamic_address_computation.3", "bytes": 1 << 20},
+            {"opcode": "fusion", "name": "loop_dynamic_slice_fusion", "bytes": 1 << 20}]
+    assert moves(fake) == {"dynamic-slice": [1, round(1 / 1024, 4)]}

@@ -1,11 +1,14 @@
-"""The step programs' XLA options (jaxkv/runner/xla_options.py): XLA:GPU's dot merger off on a
-GPU unless XLA_FLAGS names it, nothing elsewhere; the options reach the jax.jit of the step and
-of multi-step's k-step program, and no other program's."""
+"""The step programs' XLA options (jaxkv/runner/xla_options.py): on a GPU XLA:GPU's dot merger
+off and loops in the command buffer (XLA's default command types, checked against the installed
+jaxlib, plus WHILE) unless XLA_FLAGS names them, nothing elsewhere; the options reach the jax.jit
+of the step and of multi-step's k-step program, and no other program's."""
 
 import jax
 
+from benchmarks.xla_defaults import is_default
 from jaxkv.runner import model_runner
-from jaxkv.runner.xla_options import GPU_STEP_OPTIONS, step_compiler_options
+from jaxkv.runner.xla_options import (GPU_STEP_OPTIONS, SCAN_OPTIONS, XLA_DEFAULT_TYPES,
+                                     step_compiler_options)
 from tests.helpers import write_tiny_model
 from tests.runner.test_compilation import TINY_CONFIG
 
@@ -14,15 +17,28 @@ def test_options_by_platform_and_xla_flags():
     merger, graphs = "xla_gpu_dot_merger_threshold_mb", "xla_gpu_enable_command_buffer"
     assert step_compiler_options("gpu", "") == GPU_STEP_OPTIONS
     assert GPU_STEP_OPTIONS[merger] == 0
-    types = GPU_STEP_OPTIONS[graphs].split(",")
-    assert {"CONDITIONAL", "WHILE"} <= set(types)  # the sampling switch and multi-step's loop
-    assert {"FUSION", "CUBLAS", "CUSTOM_CALL"} <= set(types)  # XLA's defaults kept
+    types = GPU_STEP_OPTIONS[graphs].split(",")  # XLA's defaults and multi-step's loop
+    assert set(types) == set(XLA_DEFAULT_TYPES.split(",")) | {"WHILE"} and len(types) == len(set(types))
     assert step_compiler_options("cpu", "") == {} and step_compiler_options("tpu", "") == {}
     assert step_compiler_options("gpu", "--xla_gpu_dot_merger_threshold_mb=32 --xla_dump_to=x") == {
         graphs: GPU_STEP_OPTIONS[graphs]}
     assert step_compiler_options("gpu", "--xla_gpu_enable_command_buffer=") == {merger: 0}
     both = "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_dot_merger_threshold_mb=32"
     assert step_compiler_options("gpu", both) == {}
+    # scanned layers: cuBLAS reads each layer's slice of a stacked weight in place
+    assert step_compiler_options("gpu", "", scan=True) == {**GPU_STEP_OPTIONS, **SCAN_OPTIONS}
+    assert SCAN_OPTIONS == {"xla_gpu_enable_dynamic_slice_fusion": True}
+    assert step_compiler_options("cpu", "", scan=True) == {}
+
+
+def test_the_default_command_types_are_this_jaxlibs():
+    """XLA_DEFAULT_TYPES is the installed jaxlib's default list (fails when a jaxlib changes
+    it: the step options would then drop or miss a type), and a list without CONDITIONAL is
+    not; the dot merger's threshold is not 0 by default (the option changes something)."""
+    assert is_default("xla_gpu_enable_command_buffer", XLA_DEFAULT_TYPES)
+    no_conditional = XLA_DEFAULT_TYPES.replace("CONDITIONAL,", "")
+    assert no_conditional != XLA_DEFAULT_TYPES and not is_default("xla_gpu_enable_command_buffer", no_conditional)
+    assert not is_default("xla_gpu_dot_merger_threshold_mb", 0)
 
 
 def test_xla_parses_every_command_type(tmp_path):
@@ -33,7 +49,8 @@ def test_xla_parses_every_command_type(tmp_path):
     import subprocess
     import sys
     code = ("import jax, jax.numpy as jnp\n"
-            "from jaxkv.runner.xla_options import GPU_STEP_OPTIONS as o\n"
+            "from jaxkv.runner.xla_options import GPU_STEP_OPTIONS, SCAN_OPTIONS\n"
+            "o = {**GPU_STEP_OPTIONS, **SCAN_OPTIONS}\n"
             "jax.jit(lambda x: x + 1, compiler_options=o).lower(jnp.ones(3)).compile()\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
@@ -44,6 +61,7 @@ def test_xla_parses_every_command_type(tmp_path):
            if line.startswith("xla_gpu_enable_command_buffer:")}
     assert got == set(GPU_STEP_OPTIONS["xla_gpu_enable_command_buffer"].split(","))
     assert "xla_gpu_dot_merger_threshold_mb: 0" in text
+    assert "xla_gpu_enable_dynamic_slice_fusion: true" in text
 
 
 def test_the_step_programs_get_the_options(tmp_path, monkeypatch):
@@ -63,7 +81,7 @@ def test_the_step_programs_get_the_options(tmp_path, monkeypatch):
         seen.append((getattr(f, "__name__", ""), kw.get("compiler_options")))
         return real(f, **kw)
 
-    monkeypatch.setattr(model_runner, "step_compiler_options", lambda platform: dict(GPU_STEP_OPTIONS))
+    monkeypatch.setattr(model_runner, "step_compiler_options", lambda platform, scan=False: dict(GPU_STEP_OPTIONS))
     monkeypatch.setattr(jax, "jit", spy)
     llm = LLM(model=folder, **engine)
     monkeypatch.setattr(jax, "jit", real)
