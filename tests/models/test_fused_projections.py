@@ -14,7 +14,6 @@ import pytest
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.engine import setup
-from jaxkv.loader.converted import convert
 from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
@@ -80,16 +79,6 @@ def test_random_weights_are_the_unfused_ones_fused(tmp_path):
     assert jax.tree.structure(plain) == jax.tree.structure(fused)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(fused)):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """A tiny qwen2 checkpoint (q/k/v biases) and its converted folder."""
-    hf = tmp_path_factory.mktemp("qwen2")
-    make_hf("qwen2", hf)
-    out = tmp_path_factory.mktemp("converted") / "out"
-    convert(str(hf), str(out))
-    return str(hf), str(out)
 
 
 def _generate(folder):

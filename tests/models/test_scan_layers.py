@@ -15,7 +15,6 @@ import pytest
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.engine_args import EngineArgs
-from jaxkv.loader.converted import convert
 from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
@@ -62,16 +61,6 @@ def test_random_weights_are_the_unrolled_ones_stacked(tmp_path):
     assert jax.tree.structure(want) == jax.tree.structure(both)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(both)):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """A tiny qwen2 checkpoint (q/k/v biases) and its converted folder."""
-    hf = tmp_path_factory.mktemp("qwen2")
-    make_hf("qwen2", hf)
-    out = tmp_path_factory.mktemp("converted") / "out"
-    convert(str(hf), str(out))
-    return str(hf), str(out)
 
 
 def _generate(folder, **engine):
