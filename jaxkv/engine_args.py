@@ -104,8 +104,8 @@ class EngineArgs:
         False, "run the decoder layers as one loop over their stacked weights instead of "
         "unrolled: a step program compiled once per layer kind, with ~10 weight arguments "
         "instead of ~6 a layer; to measure on a GPU (docs/performance.md); refused where the "
-        "layers differ (sliding-window patterns, MoE), for quantized weights and with tensor "
-        "parallelism")
+        "layers differ (sliding-window patterns, MoE), for quantized weights, with tensor "
+        "parallelism and with the cpu attention backend (auto's choice on a CPU: use xla)")
     load_format: str = _arg("auto", "how to read the model", choices=LOAD_FORMATS)
     attention_backend: str = _arg("auto", "auto = pallas on a GPU, cpu on a CPU (ragged paged "
                                   "attention in C++, built on first use with g++; xla, pure "

@@ -19,8 +19,7 @@ from jaxkv.core.kv_budget import KVBudget, bytes_per_token, parse_bytes, plan_kv
 from jaxkv.core.spec_decode import SpeculativeConfig
 from jaxkv.structured_outputs.params import StructuredOutputsConfig
 from jaxkv.models.model_config import ModelConfig
-from jaxkv.quantization import QuantSpec, weights_bytes
-from jaxkv.quantization import check_layer_shapes
+from jaxkv.quantization import QuantSpec, check_layer_shapes, weights_bytes
 from jaxkv.quantization import check_tensor_parallel as check_quantized_split
 from jaxkv.quantization import resolve as resolve_quantization
 
@@ -91,8 +90,7 @@ class RunnerConfig:
     quantization: QuantSpec | None = None
     # A mixture of experts' experts placed whole per device (else each expert's columns split).
     expert_parallel: bool = False
-    # The decoder layers as one scan over stacked weights (LlamaModel.scan_layers).
-    scan_layers: bool = False
+    scan_layers: bool = False  # the decoder layers as one scan (LlamaModel.scan_layers)
 
 
 @dataclass(frozen=True)
@@ -287,9 +285,7 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
                                                 num_processes, cpu_kernels_unavailable),
                                  quantization=quant, expert_parallel=args.enable_expert_parallel,
                                  scan_layers=args.scan_layers)
-    if runner.scan_layers and runner.attention_backend == "cpu":
-        raise ValueError("scan_layers: the cpu attention backend's C++ kernel takes its layer as "
-                         "a constant; pick attention_backend xla or pallas")
+    _check_scan(args, mc, quant, runner)
     return EngineConfig(
         model=args.model, load_format=args.load_format, seed=args.seed, platform=platform,
         model_config=mc, cache=cache,
@@ -299,6 +295,16 @@ def create_engine_config(args, *, platform: str, model_config: ModelConfig | Non
         runner=runner,
         speculative=speculative,
         structured_outputs=StructuredOutputsConfig.from_value(args.structured_outputs_config))
+
+
+def _check_scan(args, mc: ModelConfig, quant: QuantSpec | None, runner: RunnerConfig) -> None:
+    """ValueError in one line: ModelConfig.scan_refusal for scan_layers, or the cpu backend."""
+    many = runner.tensor_parallel_size > 1 or max(runner.num_processes, args.num_processes or 1) > 1
+    why = args.scan_layers and (mc.scan_refusal(quant is not None, many) or (
+        runner.attention_backend == "cpu" and "the cpu attention backend (auto's choice on a CPU) "
+        "takes its layer as a constant; pick attention_backend xla or pallas"))
+    if why:
+        raise ValueError(f"scan_layers: {why}")
 
 
 def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
@@ -316,10 +322,6 @@ def _check_layout(args, mc: ModelConfig, quant: QuantSpec | None) -> None:
         raise ValueError(f"quantization {quant.name!r}: quantized experts ({mc.architecture}) "
                          "in GGUF blocks are not kept yet (leave quantization unset: float weights)")
     check_layer_shapes(quant, mc)
-    refusal = args.scan_layers and mc.scan_refusal(
-        quant is not None, tp > 1 or (args.num_processes or 1) > 1)
-    if refusal:
-        raise ValueError(f"scan_layers: {refusal}")
 
 
 def _max_model_len(asked: int | None, mc: ModelConfig) -> int:

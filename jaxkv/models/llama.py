@@ -5,8 +5,8 @@ Matches Hugging Face transformers' LlamaForCausalLM / MistralForCausalLM / Qwen2
 Qwen3ForCausalLM numerics: RMSNorm in float32, rotate-half RoPE (with llama3 scaling), grouped-
 query attention, SwiGLU MLP, q/k/v biases for Qwen2, per-head q/k RMSNorm for Qwen3.
 
-The layers are a Python loop over per-layer modules (each with its own weight arrays), all
-sharing the stacked KV pool (jaxkv.attention.KVPool: [num_layers, num_blocks, block_size,
+The layers are a Python loop over per-layer modules (each with its own weight arrays; with
+scan_layers one nn.scan over their stacked weights instead), all sharing the stacked KV pool (jaxkv.attention.KVPool: [num_layers, num_blocks, block_size,
 num_kv_heads, head_dim], with scales when quantized); layer i
 writes its K/V at the slot mapping, then attends through the engine's attention backend with
 the layer index, so no layer of the pool is ever sliced out or copied. (Measured on the 2-core
@@ -247,9 +247,12 @@ class LlamaModel(nn.Module):
                                          param_dtype=self.dtype, name="embed_tokens")
         args = (c, self.dtype, self.attention, self.cpu_matmul, self.quant, self.fused_projections)
         if self.scan_layers:
+            why = c.scan_refusal(self.quant is not None, False)
+            if why:  # (every layer would run with layer 0's window, RoPE and MLP kind)
+                raise ValueError(f"scan_layers: {why}")
             self.layer_scan = nn.scan(DecoderLayer, variable_axes={"params": 0},
-                                   split_rngs={"params": True}, length=c.num_layers,
-                                   in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast))(
+                                      split_rngs={"params": True}, length=c.num_layers,
+                                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast))(
                 *args, scanned=True, name="layers")
         else:
             self.layers = [DecoderLayer(*args, name=f"layers_{i}") for i in range(c.num_layers)]
@@ -296,4 +299,3 @@ class LlamaModel(nn.Module):
         if self.cpu_matmul and cpu_linear.applies(hidden, table, transposed=True):
             return cpu_linear.matmul(hidden, table, transposed=True)[0]
         return self.embed_tokens.attend(hidden).astype(jnp.float32)
-

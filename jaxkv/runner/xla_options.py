@@ -27,8 +27,10 @@ captured by XLA's defaults when every branch is capturable.)
 
 With scanned layers (LlamaModel.scan_layers) each matmul reads a dynamic slice of a stacked
 weight: `xla_gpu_enable_dynamic_slice_fusion` lets XLA hand cuBLAS the slice's address
-instead of copying the slice out first (its DynamicSliceFusion; off by default in XLA), and
-DYNAMIC_SLICE_FUSION, one of the default command types, keeps such calls in the graph.
+instead of copying the slice out first (its DynamicSliceFusion; off by default in XLA).
+Whether such a call inside a loop stays in the graph (DYNAMIC_SLICE_FUSION is a default
+command type, but XLA may want the loop unrolled for it) is for a GPU run to show: the scan
+variant's trace says what share of kernel time ran in graphs.
 
 An option that XLA_FLAGS names is left to XLA_FLAGS (an experiment's choice wins), and other
 platforms get none.

@@ -114,7 +114,6 @@ def test_logits_match_transformers(arch, cpu_matmul, fused, scan):
         assert (target in hlo) == cpu_matmul
 
 
-
 @pytest.mark.parametrize("dtype,storage", [("bfloat16", "uint16"), ("float16", "float16")])
 def test_half_precision_weights_track_float32(dtype, storage, tmp_path):
     """Weights (and so the KV pool) in bfloat16 / float16, the GPU's default: the engine

@@ -18,7 +18,8 @@ from jaxkv.engine_args import EngineArgs
 from jaxkv.loader.hf import load_hf_dir
 from jaxkv.models.llama import LlamaModel
 from jaxkv.models.model_config import ModelConfig
-from jaxkv.models.params import dummy_params, fuse_projections, stack_layers
+from jaxkv.models.params import (dummy_params, fuse_projections, param_shapes, params_from_tensors,
+                                 stack_layers)
 from tests.models.test_architectures import make_hf
 
 ENGINE = dict(max_model_len=128, max_num_batched_tokens=64, token_buckets=(8, 64),
@@ -124,3 +125,24 @@ def test_what_cannot_be_scanned_is_refused(tmp_path):
     config = EngineArgs(scan_layers=True, attention_backend="xla").create_engine_config(
         platform="cpu", model_config=dense)
     assert config.runner.scan_layers
+
+
+def test_one_window_on_every_layer_scans_and_mixed_windows_are_refused(tmp_path):
+    """Mistral with window 7 on every layer: the scan runs layer 0's window on each, and the
+    logits match transformers' (sliding-window attention included: 41 tokens > 7); Gemma2's
+    windowed and global layers alternate: the model itself refuses to scan them (not only the
+    engine's config)."""
+    from tests.models.hf_compare import assert_logits_match
+    from tests.models.test_sliding_window_models import COMMON as WCOMMON, make_windowed
+    hf = make_windowed("mistral", tmp_path / "m")
+    ckpt = load_hf_dir(str(tmp_path / "m"))
+    mc = ModelConfig.from_hf_config(ckpt.config)
+    assert mc.window(0) == 7 and mc.scan_refusal(False, False) is None
+    model = LlamaModel(mc, scan_layers=True)
+    assert_logits_match(hf, model, params_from_tensors(model, ckpt.tensors), mc, WCOMMON["vocab_size"],
+                        1e-4, "mistral scanned")
+    make_windowed("gemma2", tmp_path / "g")
+    g = ModelConfig.from_hf_config(load_hf_dir(str(tmp_path / "g"), load_weights=False).config)
+    for build in (dummy_params, param_shapes):  # loading, and the model's own setup
+        with pytest.raises(ValueError, match="scan_layers: .*sliding windows"):
+            build(LlamaModel(g, scan_layers=True))
