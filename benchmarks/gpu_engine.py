@@ -207,6 +207,7 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), hlo_moves=step_moves(runner, b, p["k"]),
              fused_projections=runner.model.fused_projections, scan_layers=runner.model.scan_layers,
+             scan_unroll=runner.model.scan_unroll,
              device=str(jax.devices()[0]))
 
 
@@ -397,6 +398,19 @@ def force_projections(fused: bool) -> None:
     setup.fused_projections_wanted = lambda rc, mesh: fused and rc.quantization is None and mesh is None
 
 
+def force_scan_unrolled() -> None:
+    """Engines built from now on that scan their layers run the scan fully unrolled
+    (LlamaModel.scan_unroll = num_layers): the stacked weights' few argument leaves, each
+    layer reading a static slice of them, and no loop: an A/B of the loop itself."""
+    from jaxkv.engine import setup
+    build = setup.build_model
+
+    def unrolled(config, mesh):
+        model = build(config, mesh)
+        return model.clone(scan_unroll=model.cfg.num_layers) if model.scan_layers else model
+    setup.build_model = unrolled
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "configs", "llama3-8b"))
@@ -414,11 +428,15 @@ def main(argv=None) -> None:
                     help="the decode stage's rows sample with it (1: off; else each reads its history)")
     ap.add_argument("--scan-layers", action="store_true",
                     help="the decode stage's engine runs its layers as one loop (scan_layers)")
+    ap.add_argument("--scan-unroll", action="store_true",
+                    help="with --scan-layers: that scan fully unrolled (stacked weights, no loop)")
     ap.add_argument("--projections", choices=("auto", "fused", "unfused"), default="auto",
                     help="q/k/v and gate/up weights: the engine's choice (fused on a GPU) or forced")
     a = ap.parse_args(argv)
     if a.projections != "auto":
         force_projections(a.projections == "fused")
+    if a.scan_unroll:
+        force_scan_unrolled()
     p, backend = (DRY, "pallas") if a.cpu_dry_run else (FULL, "auto")
     given = (("batches", a.batches), ("decode_tokens", a.decode_tokens),
              ("prompt_len", a.prompt_len), ("kv", a.kv_cache_memory_bytes), ("k", a.num_scheduler_steps),

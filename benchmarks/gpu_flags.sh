@@ -22,6 +22,8 @@
 #   scan      the default with the layers as one loop over stacked weights (--scan-layers):
 #             ~10 weight arguments instead of ~195, one layer compiled instead of 32; its
 #             hlo_moves say whether XLA copies each layer's slice out (dynamic-slice)
+#   stacked   (by name only) that scan fully unrolled (--scan-layers --scan-unroll): the
+#             stacked weights' few arguments, static slices of them, no loop
 #
 #   bash benchmarks/gpu_flags.sh                 # on the GPU machine: every variant, in order
 #   bash benchmarks/gpu_flags.sh sync scan       # some of them (rows of one call compare)
@@ -56,8 +58,8 @@ VARIANTS=("$@")
 [[ ${#VARIANTS[@]} -gt 0 ]] || VARIANTS=(default before sync cublas scan)
 for variant in "${VARIANTS[@]}"; do
   case $variant in
-    default|before|sync|cublas|scan) ;;
-    *) echo "gpu_flags.sh: no variant $variant (default, before, sync, cublas, scan)" >&2; exit 2 ;;
+    default|before|sync|cublas|scan|stacked) ;;
+    *) echo "gpu_flags.sh: no variant $variant (default, before, sync, cublas, scan, stacked)" >&2; exit 2 ;;
   esac
 done
 XLA_TYPES=$($PY -c "from jaxkv.runner.xla_options import XLA_DEFAULT_TYPES as t; print(t)")
@@ -75,6 +77,7 @@ for variant in "${VARIANTS[@]}"; do
     sync) flags="--xla_gpu_enable_command_buffer=$NO_CONDITIONAL" ;;
     cublas) flags="--xla_gpu_enable_triton_gemm=false" ;;
     scan) flags=""; extra=(--scan-layers) ;;
+    stacked) flags=""; extra=(--scan-layers --scan-unroll) ;;
   esac
   out="$RES/flags_$variant"
   mkdir -p "$out"

@@ -228,7 +228,9 @@ class LlamaModel(nn.Module):
     checkpoint's); `scan_layers`: the decoder layers' params stacked ([num_layers, ...] under
     "layers", jaxkv/models/params.py stack_layers) and run by one `nn.scan` (a loop in the
     step program) instead of unrolled: for models whose layers are all alike
-    (ModelConfig.scan_refusal)."""
+    (ModelConfig.scan_refusal); `scan_unroll`: that loop's layers per trip (num_layers: the
+    layers unrolled again, each reading a static slice of the stacked weights: few argument
+    leaves without a loop)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention: Attention = get_attention("xla")
@@ -236,6 +238,7 @@ class LlamaModel(nn.Module):
     quant: QuantSpec | None = None
     fused_projections: bool = False
     scan_layers: bool = False
+    scan_unroll: int = 1  # layers per trip of the scan's loop (num_layers: no loop, static slices)
 
     def setup(self):
         c = self.cfg
@@ -252,6 +255,7 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"scan_layers: {why}")
             self.layer_scan = nn.scan(DecoderLayer, variable_axes={"params": 0},
                                       split_rngs={"params": True}, length=c.num_layers,
+                                      unroll=self.scan_unroll,
                                       in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast))(
                 *args, scanned=True, name="layers")
         else:

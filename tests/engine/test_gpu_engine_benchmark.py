@@ -79,6 +79,14 @@ def test_the_command_buffer_variants_dry_run(tmp_path):
     p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run", "off"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "no variant off" in p.stderr
+    one = tmp_path / "stacked"  # a variant by name: the scan fully unrolled
+    p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run", "stacked"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OUT": str(one), "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [line.split("\t")[0] for line in (one / "flags.tsv").read_text().splitlines()] == ["stacked"]
+    rows = [json.loads(x) for x in (one / "flags_stacked" / "5_gpu_engine.jsonl").read_text().splitlines()]
+    assert {(r["scan_layers"], r["scan_unroll"]) for r in rows if r["stage"] == "decode"} == {(True, 2)}
 
 
 def _write_trace(folder, events) -> None:

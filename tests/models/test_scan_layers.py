@@ -128,8 +128,9 @@ def test_what_cannot_be_scanned_is_refused(tmp_path):
 
 
 def test_one_window_on_every_layer_scans_and_mixed_windows_are_refused(tmp_path):
-    """Mistral with window 7 on every layer: the scan runs layer 0's window on each, and the
-    logits match transformers' (sliding-window attention included: 41 tokens > 7); Gemma2's
+    """Mistral with window 7 on every layer: the scan (as a loop, and fully unrolled) runs
+    layer 0's window on each, and the logits match transformers' (sliding-window attention
+    included: 41 tokens > 7); Gemma2's
     windowed and global layers alternate: the model itself refuses to scan them (not only the
     engine's config)."""
     from tests.models.hf_compare import assert_logits_match
@@ -138,9 +139,10 @@ def test_one_window_on_every_layer_scans_and_mixed_windows_are_refused(tmp_path)
     ckpt = load_hf_dir(str(tmp_path / "m"))
     mc = ModelConfig.from_hf_config(ckpt.config)
     assert mc.window(0) == 7 and mc.scan_refusal(False, False) is None
-    model = LlamaModel(mc, scan_layers=True)
-    assert_logits_match(hf, model, params_from_tensors(model, ckpt.tensors), mc, WCOMMON["vocab_size"],
-                        1e-4, "mistral scanned")
+    for unroll in (1, mc.num_layers):  # a loop; the loop unrolled (static slices of the stack)
+        model = LlamaModel(mc, scan_layers=True, scan_unroll=unroll)
+        assert_logits_match(hf, model, params_from_tensors(model, ckpt.tensors), mc, WCOMMON["vocab_size"],
+                            1e-4, f"mistral scanned, unroll {unroll}")
     make_windowed("gemma2", tmp_path / "g")
     g = ModelConfig.from_hf_config(load_hf_dir(str(tmp_path / "g"), load_weights=False).config)
     for build in (dummy_params, param_shapes):  # loading, and the model's own setup
