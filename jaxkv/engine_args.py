@@ -102,7 +102,7 @@ class EngineArgs:
         "device, as vLLM V0's multi-step scheduling (docs/async-scheduling.md#multi-step-decode)")
     scan_layers: bool = _arg(
         False, "run the decoder layers as one loop over their stacked weights instead of "
-        "unrolled: a step program compiled once per layer kind, with ~10 weight arguments "
+        "unrolled: a step program that compiles one layer, not all, with ~10 weight arguments "
         "instead of ~6 a layer; to measure on a GPU (docs/performance.md); refused where the "
         "layers differ (sliding-window patterns, MoE), for quantized weights, with tensor "
         "parallelism and with the cpu attention backend (auto's choice on a CPU: use xla)")

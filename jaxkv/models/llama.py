@@ -6,12 +6,12 @@ Qwen3ForCausalLM numerics: RMSNorm in float32, rotate-half RoPE (with llama3 sca
 query attention, SwiGLU MLP, q/k/v biases for Qwen2, per-head q/k RMSNorm for Qwen3.
 
 The layers are a Python loop over per-layer modules (each with its own weight arrays; with
-scan_layers one nn.scan over their stacked weights instead), all sharing the stacked KV pool (jaxkv.attention.KVPool: [num_layers, num_blocks, block_size,
-num_kv_heads, head_dim], with scales when quantized); layer i
-writes its K/V at the slot mapping, then attends through the engine's attention backend with
-the layer index, so no layer of the pool is ever sliced out or copied. (Measured on the 2-core
-CPU: an nn.scan over stacked weights compiles 5x faster but decodes ~1.7x slower, because every
-iteration copies its layer's weights out of the stack.)
+scan_layers one nn.scan over their stacked weights instead), all sharing the stacked KV pool
+(jaxkv.attention.KVPool: [num_layers, num_blocks, block_size, num_kv_heads, head_dim], with
+scales when quantized); layer i writes its K/V at the slot mapping, then attends through the
+engine's attention backend with the layer index, so no layer of the pool is ever sliced out or
+copied. (Measured on the 2-core CPU: an nn.scan over stacked weights compiles 5x faster but
+decodes ~1.7x slower, because every iteration copies its layer's weights out of the stack.)
 """
 
 from __future__ import annotations

@@ -2,28 +2,29 @@
 so nothing else in the process changes.
 
 On a GPU: `xla_gpu_dot_merger_threshold_mb=0`. XLA:GPU's DotMerger pass (hlo/transforms/
-simplifiers/dot_merger.h in XLA) turns dots that share an operand, such as a layer's
-x @ W_q, x @ W_k and x @ W_v, into one dot against the concatenation of their right-hand
-sides, whenever one of them moves fewer bytes than the threshold (64 MiB in jaxlib 0.10.2:
+simplifiers/dot_merger.h in XLA) turns dots that share an operand, such as a layer's x @ W_q,
+x @ W_k and x @ W_v, into one dot against the concatenation of their right-hand sides,
+whenever one of them moves fewer bytes than the threshold (64 MiB in jaxlib 0.10.2:
 Llama-3-8B's 8 MiB k_proj and v_proj weights qualify). On 2026-12-04's H200 that merged q/k/v
 dot ran as one XLA Triton gemm fusion reading the three weights (the concatenation fused into
 it, no copy of its own) at 1.9 TB/s, where cuBLAS read gate/up at 3.5 TB/s
 (docs/performance.md). vLLM loads q/k/v (and gate/up) as one fused weight, which jaxkv does
-too on a GPU (LlamaModel.fused_projections, float weights on one device): one plain dot, and
-this option keeps the merger from joining the dots that stay apart (quantized projections, a
-mixture of experts' shared expert and router).
+too on a GPU (LlamaModel.fused_projections, float weights on one device): one dot over one
+weight, and this option keeps the merger from joining the dots that stay apart (quantized
+projections, a mixture of experts' shared expert and router).
 
-On a GPU, also `xla_gpu_enable_command_buffer` = XLA's default command types (XLA_DEFAULT_TYPES:
-jaxlib 0.10.2's, CONDITIONAL included; a test checks them against the installed jaxlib) plus
-WHILE. XLA:GPU runs a loop of unknown trip count that is not inside a command buffer (a CUDA
-graph) as a WhileThunk, which copies the loop's predicate to the host and blocks the calling
-thread until the stream reaches it, every iteration (xla/backends/gpu/runtime/while_thunk.cc;
-a conditional outside a graph does the same once, conditional_thunk.cc). Multi-step decode's
-k-step program loops until its longest sequence's steps are done (jaxkv/runner/multi_step.py):
-a wait per decode step. With WHILE a loop whose body is all capturable becomes a CUDA graph
-conditional node, decided on the device, and the host goes on; one that is not stays a thunk,
-as without the option. (Fused sampling's `lax.switch`, jaxkv/sampling/fused_sampling.py, is
-captured by XLA's defaults when every branch is capturable.)
+On a GPU, also `xla_gpu_enable_command_buffer` = XLA's default command types
+(XLA_DEFAULT_TYPES: jaxlib 0.10.2's, CONDITIONAL included; a test checks them against the
+installed jaxlib) plus WHILE. XLA:GPU runs a loop of unknown trip count that is not inside a
+command buffer (a CUDA graph) as a WhileThunk, which copies the loop's predicate to the host
+and blocks the calling thread until the stream reaches it, every iteration
+(xla/backends/gpu/runtime/while_thunk.cc; a conditional outside a graph does the same once,
+conditional_thunk.cc). Multi-step decode's k-step program loops until its longest sequence's
+steps are done (jaxkv/runner/multi_step.py): a wait per decode step. With WHILE a loop whose
+body is all capturable becomes a CUDA graph conditional node, decided on the device, and the
+host goes on; one that is not stays a thunk, as without the option. (Fused sampling's
+`lax.switch`, jaxkv/sampling/fused_sampling.py, is captured by XLA's defaults when every
+branch is capturable.)
 
 With scanned layers (LlamaModel.scan_layers) each matmul reads a dynamic slice of a stacked
 weight: `xla_gpu_enable_dynamic_slice_fusion` lets XLA hand cuBLAS the slice's address
