@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   # on a CPU: same stages, tiny shapes, interpret mode
 #
 # Stages, each under its own time guard, each writing result rows as soon as they are measured
-# to $OUT (else benchmarks/results/gpu/): 1 smoke (both kernels lower, run and match the
+# to $OUT (else benchmarks/results/gpu/; on the lent machine packed into $OUT/gpu_check.tgz after
+# each stage, benchmarks/device_out.sh): 1 smoke (both kernels lower, run and match the
 # reference), 2 the gpu-marked tests (pytest when installed, else the same checks without it),
 # 3 kernel timings vs the XLA reference (µs, GB/s, device copy GB/s), 4 end-to-end decode
 # throughput of a Llama-3-8B-shaped model with random weights at batch 1, 32 and 128, 5 the
@@ -27,8 +28,8 @@ if [[ "${1:-}" == "--cpu-dry-run" ]]; then
   DRY="--cpu-dry-run"
   export JAX_PLATFORMS=cpu
 fi
-RES=${OUT:-$ROOT/benchmarks/results/gpu}
-mkdir -p "$RES"
+. benchmarks/device_out.sh
+results_dir gpu_check "$DRY"   # on the device: packed into $OUT/gpu_check.tgz after each stage
 export OUT="$RES"
 export JAXKV_COMPILATION_CACHE=0   # a fresh machine: measure real compile times
 LOG="$RES/gpu_check.log"
@@ -45,6 +46,7 @@ stage() {  # stage NAME SECONDS CMD...: run under a time guard, log, record stat
   printf '%s\t%s\t%ss\n' "$name" "$([[ $rc == 0 ]] && echo ok || { [[ $rc == 124 || $rc == 137 ]] && echo "timeout($rc)" || echo "failed($rc)"; })" \
     "$((SECONDS - t0))" | tee -a "$STATUS"
   [[ $rc == 0 ]] || fail=1
+  pack stages.tsv
 }
 
 {
@@ -76,6 +78,7 @@ else
 fi
 
 $PY -m benchmarks.result_rows > /dev/null 2>&1 || true
+pack stages.tsv summary.md
 cat "$STATUS"
 echo "results in $RES (summary.md, *.jsonl, gpu_check.log)"
 exit $fail

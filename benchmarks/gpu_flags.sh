@@ -33,7 +33,8 @@
 # Each variant gets LIMIT seconds (5 x 110 s fit one 600 s device call; a variant cut short
 # keeps the rows it wrote).
 #
-# Rows: $OUT/flags_<variant>/5_gpu_engine.jsonl (else benchmarks/results/gpu/flags_<variant>);
+# Rows: $OUT/flags_<variant>/5_gpu_engine.jsonl (else benchmarks/results/gpu/flags_<variant>;
+# on the lent machine packed into $OUT/gpu_flags.tgz after each variant, benchmarks/device_out.sh);
 # each variant's status, seconds and flags in $OUT/flags.tsv; whether jaxkv's list of XLA's
 # default command types is this jaxlib's in $OUT/xla_defaults.json. A variant that fails (a
 # flag this jaxlib does not know) is recorded and the next one still runs. Compare the
@@ -43,10 +44,10 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
-RES=${OUT:-$ROOT/benchmarks/results/gpu}
-mkdir -p "$RES"
+DRY=""
 if [[ "${1:-}" == "--cpu-dry-run" ]]; then
   shift
+  DRY="--cpu-dry-run"
   export JAX_PLATFORMS=cpu
   ARGS=(--cpu-dry-run --batches 1 4 --stages decode trace)
   LIMIT=240
@@ -62,6 +63,8 @@ for variant in "${VARIANTS[@]}"; do
     *) echo "gpu_flags.sh: no variant $variant (default, before, sync, cublas, scan, stacked)" >&2; exit 2 ;;
   esac
 done
+. benchmarks/device_out.sh
+results_dir gpu_flags "$DRY"   # on the device: packed into $OUT/gpu_flags.tgz after each variant
 XLA_TYPES=$($PY -c "from jaxkv.runner.xla_options import XLA_DEFAULT_TYPES as t; print(t)")
 NO_CONDITIONAL=${XLA_TYPES/CONDITIONAL,/}
 # Whether XLA_TYPES is this jaxlib's default list, and its dot merger threshold.
@@ -90,5 +93,6 @@ for variant in "${VARIANTS[@]}"; do
   printf '%s\t%s\t%ss\t%s\n' "$variant" "$([[ $rc == 0 ]] && echo ok || echo "failed($rc)")" \
     "$((SECONDS - t0))" "$flags${extra[*]:+ (${extra[*]})}" | tee -a "$RES/flags.tsv"
   [[ $rc == 0 ]] || { fail=1; tail -5 "$out/log.txt"; }
+  pack flags.tsv xla_defaults.json
 done
 exit $fail

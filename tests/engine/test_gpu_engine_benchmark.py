@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -79,13 +80,18 @@ def test_the_command_buffer_variants_dry_run(tmp_path):
     p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run", "off"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "no variant off" in p.stderr
-    one = tmp_path / "stacked"  # a variant by name: the scan fully unrolled
+    # A variant by name (the scan fully unrolled), packed as on the lent machine (PACK=1): it
+    # returns 8 files at most, none more than two folders down (benchmarks/device_out.sh).
+    one = tmp_path / "stacked"
     p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run", "stacked"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OUT": str(one), "PYTHONPATH": ROOT})
+                       env={**os.environ, "OUT": str(one), "PYTHONPATH": ROOT, "PACK": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    returned = [f for f in one.rglob("*") if f.is_file() and len(f.relative_to(one).parts) <= 3]
+    assert sorted(f.name for f in returned) == ["flags.tsv", "gpu_flags.tgz", "xla_defaults.json"]
     assert [line.split("\t")[0] for line in (one / "flags.tsv").read_text().splitlines()] == ["stacked"]
-    rows = [json.loads(x) for x in (one / "flags_stacked" / "5_gpu_engine.jsonl").read_text().splitlines()]
+    with tarfile.open(one / "gpu_flags.tgz") as tar:
+        rows = [json.loads(x) for x in tar.extractfile("./flags_stacked/5_gpu_engine.jsonl").read().splitlines()]
     assert {(r["scan_layers"], r["scan_unroll"]) for r in rows if r["stage"] == "decode"} == {(True, 2)}
 
 
