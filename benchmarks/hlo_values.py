@@ -123,9 +123,10 @@ _MOVE = re.compile(r"copy|concatenate|transpose|dynamic[-_]slice")
 
 def moves(values: list[dict]) -> dict[str, list]:
     """{kind: [count, GiB]} of `large_values`' values that only move data (copy, concatenate,
-    transpose, dynamic-slice: the op, or a fusion named after one), e.g. XLA:GPU's dot merger
-    concatenating a layer's weights on every step, or a scan copying each layer's slice of
-    its stacked weights out; {} when none."""
+    transpose, dynamic-slice: the op, or a fusion named after one), e.g. weights concatenated
+    into a buffer of their own on every step (XLA:GPU fused the dot merger's concatenation into
+    its gemm on 2026-12-04: none there), or a scan copying each layer's slice of its stacked
+    weights out; {} when none."""
     total: dict[str, list] = {}
     for v in values:
         m = _MOVE.search(v["opcode"]) or (v["opcode"] == "fusion" and "address" not in v["name"]
