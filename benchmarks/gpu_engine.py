@@ -207,7 +207,7 @@ def decode_row(llm, most: int, cfg: dict, b: int, p: dict, rows: Rows, launch: b
              device_step_ms=round(step_ms, 3), dispatch_ms=round(dispatch_ms, 3),
              engine_over_device=round(1e3 * dt / n / step_ms, 2), hlo_moves=step_moves(runner, b, p["k"]),
              fused_projections=runner.model.fused_projections, scan_layers=runner.model.scan_layers,
-             scan_unroll=runner.model.scan_unroll,
+             scan_unroll=runner.model.scan_unroll, xla_options=runner.step_options,
              device=str(jax.devices()[0]))
 
 

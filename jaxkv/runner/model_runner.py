@@ -122,8 +122,8 @@ class ModelRunner(RunAhead):
         # The jitted step (params, kv_cache, StepInput) -> (hidden, kv_cache), pool donated;
         # with a mesh, its inputs and outputs placed as sharding.py says (XLA partitions it).
         # The step programs' XLA options (xla_options.py), multi-step's k-step ones' too.
-        options = step_compiler_options(jax.default_backend(), scan=self.model.scan_layers)
-        step_jit = functools.partial(jit, compiler_options=options or None)
+        self.step_options = step_compiler_options(jax.default_backend(), scan=self.model.scan_layers)
+        step_jit = functools.partial(jit, compiler_options=self.step_options or None)
         if self.mesh is not None and not enforce_eager:
             pool_sh = jax.tree.map(lambda x: x.sharding, self.kv_cache)
             rep = sh.replicated(self.mesh)

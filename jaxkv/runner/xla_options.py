@@ -34,12 +34,19 @@ command type, but XLA may want the loop unrolled for it) is for a GPU run to sho
 variant's trace says what share of kernel time ran in graphs.
 
 An option that XLA_FLAGS names is left to XLA_FLAGS (an experiment's choice wins), and other
-platforms get none.
+platforms get none. The options were chosen with jaxlib 0.10.2; a jaxlib that refuses one
+(a flag renamed or removed, a command type it does not know: XLA fails every compile that
+names it) would fail every step program, so on a GPU they are first tried on a one-op
+program, and an option refused there is dropped with a warning naming it and XLA's words.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Callable
+
+logger = logging.getLogger("jaxkv")
 
 # XLA's default command types (jaxlib 0.10.2), then the one that keeps the host going.
 XLA_DEFAULT_TYPES = "CONDITIONAL,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION,FUSION"
@@ -49,12 +56,48 @@ GPU_STEP_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0,
 SCAN_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True}
 
 
-def step_compiler_options(platform: str, xla_flags: str | None = None, scan: bool = False) -> dict:
+def step_compiler_options(platform: str, xla_flags: str | None = None, scan: bool = False,
+                          try_compile: Callable[[dict], None] | None = None) -> dict:
     """The compiler options of a step program on `platform` (jax's name: "gpu", "cpu", ...):
     GPU_STEP_OPTIONS (and SCAN_OPTIONS for a model whose layers are scanned) on a GPU, less
-    those `xla_flags` (default: $XLA_FLAGS) sets; {} elsewhere."""
+    those `xla_flags` (default: $XLA_FLAGS) sets, less those `try_compile` (default:
+    compile_one_op) refuses (accepted_options); {} elsewhere."""
     if platform != "gpu":
         return {}
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
     wanted = {**GPU_STEP_OPTIONS, **(SCAN_OPTIONS if scan else {})}
-    return {k: v for k, v in wanted.items() if f"--{k}=" not in flags}
+    wanted = {k: v for k, v in wanted.items() if f"--{k}=" not in flags}
+    return accepted_options(wanted, try_compile or compile_one_op)
+
+
+def compile_one_op(options: dict) -> None:
+    """Compile a one-op program with `options` on the default device; raises what XLA raises."""
+    import jax
+    import jax.numpy as jnp
+    jax.jit(lambda x: x + 1, compiler_options=options).lower(jnp.zeros(1, jnp.float32)).compile()
+
+
+def accepted_options(options: dict, try_compile: Callable[[dict], None]) -> dict:
+    """`options` less those XLA refuses: all tried at once by `try_compile`, and when that
+    fails on an option ("No such compile option", "While setting option ..."), each alone;
+    a refused one is dropped with a warning naming it and XLA's message. A failure that
+    names no option is raised."""
+    if not options:
+        return {}
+    try:
+        try_compile(options)
+        return dict(options)
+    except Exception as e:  # (jax's JaxRuntimeError; XLA says INVALID_ARGUMENT)
+        if "option" not in str(e):
+            raise
+    kept = {}
+    for name, value in options.items():
+        try:
+            try_compile({name: value})
+            kept[name] = value
+        except Exception as e:
+            if "option" not in str(e):
+                raise
+            logger.warning("XLA option %s=%s refused by this jaxlib (%s): the step programs "
+                           "compile without it", name, value, str(e).splitlines()[0])
+    return kept

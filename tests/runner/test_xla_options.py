@@ -1,13 +1,16 @@
 """The step programs' XLA options (jaxkv/runner/xla_options.py): on a GPU XLA:GPU's dot merger
 off and loops in the command buffer (XLA's default command types, checked against the installed
-jaxlib, plus WHILE) unless XLA_FLAGS names them, nothing elsewhere; the options reach the jax.jit
-of the step and of multi-step's k-step program, and no other program's."""
+jaxlib, plus WHILE) unless XLA_FLAGS names them, nothing elsewhere; one the jaxlib refuses is
+dropped with a warning; the options reach the jax.jit of the step and of multi-step's k-step
+program, and no other program's."""
 
 import jax
+import pytest
 
 from benchmarks.xla_defaults import is_default
 from jaxkv.runner import model_runner
-from jaxkv.runner.xla_options import (GPU_STEP_OPTIONS, SCAN_OPTIONS, XLA_DEFAULT_TYPES,
+from jaxkv.runner.xla_options import (COMMAND_TYPES, GPU_STEP_OPTIONS, SCAN_OPTIONS,
+                                     XLA_DEFAULT_TYPES, accepted_options, compile_one_op,
                                      step_compiler_options)
 from tests.helpers import write_tiny_model
 from tests.runner.test_compilation import TINY_CONFIG
@@ -29,6 +32,34 @@ def test_options_by_platform_and_xla_flags():
     assert step_compiler_options("gpu", "", scan=True) == {**GPU_STEP_OPTIONS, **SCAN_OPTIONS}
     assert SCAN_OPTIONS == {"xla_gpu_enable_dynamic_slice_fusion": True}
     assert step_compiler_options("cpu", "", scan=True) == {}
+
+
+def test_an_option_this_jaxlib_refuses_is_dropped_with_a_warning(caplog):
+    """A jaxlib that does not know an option (renamed or removed) or a value (a command type)
+    fails every compile naming it: the one-op program finds it, and the step programs get
+    the others; the warning names the option and XLA's message. This jaxlib takes ours."""
+    assert accepted_options(GPU_STEP_OPTIONS, compile_one_op) == GPU_STEP_OPTIONS
+    graphs = "xla_gpu_enable_command_buffer"
+    asked = {"xla_gpu_no_such_option": 1, **GPU_STEP_OPTIONS, graphs: COMMAND_TYPES + ",NOT_A_TYPE",
+             **SCAN_OPTIONS}
+    with caplog.at_level("WARNING", logger="jaxkv"):
+        got = accepted_options(asked, compile_one_op)
+    assert got == {"xla_gpu_dot_merger_threshold_mb": 0, **SCAN_OPTIONS}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert "xla_gpu_no_such_option=1" in warned[0] and "No such compile option" in warned[0]
+    assert "NOT_A_TYPE" in warned[1] and "not a valid enum value" in warned[1]
+    tried = []
+    assert step_compiler_options("gpu", "", try_compile=tried.append) == GPU_STEP_OPTIONS
+    assert tried == [GPU_STEP_OPTIONS]  # one compile when all are taken; none off a GPU
+    assert step_compiler_options("cpu", "", try_compile=tried.append) == {} and len(tried) == 1
+
+
+def test_a_failure_that_names_no_option_is_raised():
+    def out_of_memory(options):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        accepted_options(GPU_STEP_OPTIONS, out_of_memory)
 
 
 def test_the_default_command_types_are_this_jaxlibs():
