@@ -4,10 +4,18 @@
 # results three folders down, $OUT/raw/NAME/results, and after each stage packs them into
 # $OUT/NAME.tgz, its status table copied beside it, so a run cut short still returns what it
 # measured; elsewhere it writes into $OUT, else benchmarks/results/gpu.
+#
+# The lent machine also runs one command for at most 600 s and a session has 15 minutes of it
+# in all, its start included (the device tool's README): there a script ends its stages within
+# GPU_BUDGET seconds of its start (default 560; none elsewhere unless GPU_BUDGET is set), each
+# stage given its own limit or what is left less 10 s to pack, whichever is less, and a stage
+# with under 20 s left skipped (stage_seconds).
 
 results_dir() {  # results_dir NAME DRY: sets RES (made) and PACK_TO ("" when not packing)
   local name=$1 dry=$2
   PACK_TO=""
+  BUDGET=${GPU_BUDGET:-0}
+  [[ -n "${OUT:-}" && -z "$dry" ]] && BUDGET=${GPU_BUDGET:-560}
   if [[ -n "${OUT:-}" && ( -z "$dry" || "${PACK:-0}" == 1 ) ]]; then
     PACK_TO="$OUT/$name.tgz"
     RES="$OUT/raw/$name/results"
@@ -25,4 +33,11 @@ pack() {  # pack FILE...: RES into PACK_TO, and each FILE of RES beside it (noth
     if [[ -f "$RES/$f" ]]; then cp "$RES/$f" "$(dirname "$PACK_TO")/"; fi
   done
   return 0
+}
+
+stage_seconds() {  # stage_seconds LIMIT: the seconds a stage may take now (0: skip it)
+  local limit=$1 left
+  if (( BUDGET <= 0 )); then echo "$limit"; return 0; fi
+  left=$((BUDGET - SECONDS - 10))
+  if (( left < 20 )); then echo 0; else echo $((limit < left ? limit : left)); fi
 }

@@ -34,11 +34,6 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            The decode rows' dispatch_ms near device_step_ms would mean enqueueing a step
            waited for the device (a conditional outside the command buffer:
            jaxkv/runner/xla_options.py).
-  smoke    paths not run on a GPU before, on the model's first 2 layers and small token
-           buckets, against the plain engine's greedy tokens: int8 and fp8 KV pools, n-gram
-           speculative decoding, prefix hits, and a structured-output request when llguidance
-           is installed (the benchmark's word-level tokenizer is one it cannot read: that row
-           reports the error).
   warmup   the offline engine's start (default token buckets). The script turns the
            compilation cache off unless JAXKV_COMPILATION_CACHE says otherwise, but the
            engines before it compiled in the same process: an upper bound of cold it is not.
@@ -52,6 +47,11 @@ benchmarks/results/gpu/), one per measurement, "stage" naming it, in this order:
            arguments, outputs, aliased pool, temporaries and the peak, against weights + pool
            + 4 GiB (the 2026-12-04 engine's XLA warned of ~120 GiB); where the temporaries
            reach a tenth of the pool, the HLO's values of that size and its copies.
+  smoke    paths not run on a GPU before, on the model's first 2 layers and small token
+           buckets, against the plain engine's greedy tokens: int8 and fp8 KV pools, n-gram
+           speculative decoding, prefix hits, and a structured-output request when llguidance
+           is installed (the benchmark's word-level tokenizer is one it cannot read: that row
+           reports the error).
   multistep  the decode rows of the two largest batches again on an engine with multi-step
            decode (num_scheduler_steps 4, jaxkv/runner/multi_step.py): "decode" rows whose
            num_scheduler_steps is 4, per decode step.
@@ -80,7 +80,7 @@ from benchmarks.result_rows import Rows
 from jaxkv.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 from jaxkv.engine.output_pipeline import OutputPipeline
 
-# The H200 run's sizes (gpu_check.sh gives the script 5 minutes; rows land as measured, so a
+# The H200 run's sizes (gpu_check.sh gives the script 330 s; rows land as measured, so a
 # cut keeps the earlier stages) and the CPU dry run's (token_buckets None: the defaults).
 FULL = dict(batches=[1, 32, 128, 256], prompt_len=128, decode_tokens=32, reps=30,
             kv="24GiB", offline_requests=400, serving_requests=100, serving_rate=20.0,
@@ -463,10 +463,6 @@ def main(argv=None) -> None:
                     trace_row(llm, cfg, p, rows, b)
             llm = None
             release_frozen_heap()  # LLM holds reference cycles: its device memory goes only now
-        if "smoke" in a.stages:  # on the model's first 2 layers: the paths, not the speed
-            small = {**cfg, "num_hidden_layers": min(2, cfg["num_hidden_layers"])}
-            smoke_rows(model_folder(small, os.path.join(tmp, "small")), small, rows, backend)
-            gc.collect()
         if "offline" in a.stages or "serving" in a.stages:
             llm = offline_engine(folder, p, rows, backend)
             freeze_startup_heap()
@@ -476,6 +472,11 @@ def main(argv=None) -> None:
                 serving_row(llm, cfg, p, rows)
             memory_rows(llm, rows)  # the programs compiled by now (all but a cut background)
             llm = None
+            release_frozen_heap()  # its device memory too, before the next engine (an H100's 80 GB)
+        if "smoke" in a.stages:  # on the model's first 2 layers: the paths, not the speed
+            small = {**cfg, "num_hidden_layers": min(2, cfg["num_hidden_layers"])}
+            smoke_rows(model_folder(small, os.path.join(tmp, "small")), small, rows, backend)
+            gc.collect()
         if "multistep" in a.stages:  # the decode rows again, multi-step decode's k on
             q = {**p, "k": p["multi_k"], "batches": p["batches"][-2:]}
             llm, most = decode_engine(folder, q, backend)

@@ -31,7 +31,9 @@
 #                                                # XLA:CPU ignores them (a test runs this)
 #
 # Each variant gets LIMIT seconds (5 x 110 s fit one 600 s device call; a variant cut short
-# keeps the rows it wrote).
+# keeps the rows it wrote), or what is left of GPU_BUDGET (benchmarks/device_out.sh): after
+# gpu_check.sh in the same session, `GPU_BUDGET=<the seconds left> bash benchmarks/gpu_flags.sh
+# cublas scan`; a variant left too little time is recorded as skipped.
 #
 # Rows: $OUT/flags_<variant>/5_gpu_engine.jsonl (else benchmarks/results/gpu/flags_<variant>;
 # on the lent machine packed into $OUT/gpu_flags.tgz after each variant, benchmarks/device_out.sh);
@@ -83,12 +85,18 @@ for variant in "${VARIANTS[@]}"; do
     stacked) flags=""; extra=(--scan-layers --scan-unroll) ;;
   esac
   out="$RES/flags_$variant"
+  limit=$(stage_seconds "$LIMIT")
+  if (( limit == 0 )); then
+    printf '%s\tskipped(budget)\t0s\t\n' "$variant" | tee -a "$RES/flags.tsv"
+    pack flags.tsv xla_defaults.json
+    continue
+  fi
   mkdir -p "$out"
   t0=$SECONDS
   combined="${XLA_FLAGS:-}"
   [[ -n "$flags" ]] && combined="${combined:+$combined }$flags"
   XLA_FLAGS="$combined" OUT="$out" \
-    timeout --signal=TERM --kill-after=10 "$LIMIT" $PY -m benchmarks.forbid_imports benchmarks.gpu_engine "${ARGS[@]}" "${extra[@]}" > "$out/log.txt" 2>&1
+    timeout --signal=TERM --kill-after=10 "$limit" $PY -m benchmarks.forbid_imports benchmarks.gpu_engine "${ARGS[@]}" "${extra[@]}" > "$out/log.txt" 2>&1
   rc=$?
   printf '%s\t%s\t%ss\t%s\n' "$variant" "$([[ $rc == 0 ]] && echo ok || echo "failed($rc)")" \
     "$((SECONDS - t0))" "$flags${extra[*]:+ (${extra[*]})}" | tee -a "$RES/flags.tsv"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tarfile
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -93,6 +95,55 @@ def test_the_command_buffer_variants_dry_run(tmp_path):
     with tarfile.open(one / "gpu_flags.tgz") as tar:
         rows = [json.loads(x) for x in tar.extractfile("./flags_stacked/5_gpu_engine.jsonl").read().splitlines()]
     assert {(r["scan_layers"], r["scan_unroll"]) for r in rows if r["stage"] == "decode"} == {(True, 2)}
+
+
+def test_the_dispatch_cost_probe(tmp_path):
+    """benchmarks/dispatch_cost.py --cpu-dry-run: a row per argument count (each program read
+    every argument and its donated output is what it should be), then the line fitted
+    through them; fit() recovers an exact line."""
+    from benchmarks import dispatch_cost
+    assert dispatch_cost.fit([2, 10, 100], [7.0, 11.0, 56.0]) == pytest.approx((6.0, 0.5))
+    p = subprocess.run([sys.executable, "-m", "benchmarks.dispatch_cost", "--cpu-dry-run"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "0_dispatch.jsonl").read_text().splitlines()]
+    assert [r["args"] for r in rows[:-1]] == [n + 1 for n in dispatch_cost.COUNTS]
+    assert all(r["total_us"] >= r["dispatch_us"] > 0 and r["output_right"] for r in rows[:-1])
+    assert rows[-1]["stage"] == "fit" and rows[-1]["at_293_args_us"] > 0
+
+
+def test_the_device_scripts_keep_within_their_budget(tmp_path):
+    """The lent machine runs a command for at most 600 s (benchmarks/device_out.sh): a stage
+    gets its limit or what is left of GPU_BUDGET less 10 s, and with under 20 s left none
+    runs: each is recorded as skipped, most wanted first on gpu_check.sh, and neither script
+    fails for it. On the device the budget defaults to 560 s; elsewhere there is none."""
+    def seconds(budget, spent, limit, out="", dry=""):
+        code = (f". benchmarks/device_out.sh; OUT={out} GPU_BUDGET={budget} results_dir x '{dry}'; "
+                f"SECONDS={spent}; echo $BUDGET $(stage_seconds {limit})")
+        env = {k: v for k, v in os.environ.items() if k not in ("GPU_BUDGET", "OUT")}
+        p = subprocess.run(["bash", "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+        return p.stdout.split()
+    assert seconds(300, 100, 330) == ["300", "190"] and seconds(300, 100, 60) == ["300", "60"]
+    assert seconds(300, 275, 60) == ["300", "0"]  # 15 s left: skipped
+    assert seconds("", 100, 330) == ["0", "330"]  # no budget off the device
+    out = tmp_path / "o"
+    code = (f"unset GPU_BUDGET; . benchmarks/device_out.sh; OUT={out} results_dir x ''; echo $BUDGET; "
+            f"OUT={out} results_dir x --cpu-dry-run; echo $BUDGET")
+    p = subprocess.run(["bash", "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert p.stdout.split() == ["560", "0"]  # the lent machine's default; a dry run has none
+    env = {**os.environ, "OUT": str(tmp_path / "check"), "PYTHONPATH": ROOT, "GPU_BUDGET": "1"}
+    p = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu-dry-run"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    status = [line.split("\t") for line in (tmp_path / "check" / "stages.tsv").read_text().splitlines()]
+    assert status == [[name, "skipped(budget)", "0s"] for name in
+                      ("0_dispatch", "5_gpu_engine", "2_gpu_tests", "1_smoke", "4_e2e_decode", "3_kernels")]
+    p = subprocess.run(["bash", "benchmarks/gpu_flags.sh", "--cpu-dry-run", "cublas", "scan"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**env, "OUT": str(tmp_path / "flags")})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    status = (tmp_path / "flags" / "flags.tsv").read_text().splitlines()
+    assert status == ["cublas\tskipped(budget)\t0s\t", "scan\tskipped(budget)\t0s\t"]
 
 
 def _write_trace(folder, events) -> None:
