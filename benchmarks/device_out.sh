@@ -6,16 +6,22 @@
 # measured; elsewhere it writes into $OUT, else benchmarks/results/gpu.
 #
 # The lent machine also runs one command for at most 600 s and a session has 15 minutes of it
-# in all, its start included (the device tool's README): there a script ends its stages within
-# GPU_BUDGET seconds of its start (default 560; none elsewhere unless GPU_BUDGET is set), each
-# stage given its own limit or what is left less 10 s to pack, whichever is less, and a stage
-# with under 20 s left skipped (stage_seconds).
+# in all, its start included (the device tool's README): there (OUT set, not a dry run) a
+# script ends its stages within GPU_BUDGET whole seconds of its start (default 560; 0: no
+# budget; none elsewhere unless GPU_BUDGET is set), each stage given its own limit or what is
+# left less 10 s to pack, whichever is less, and skipped when less is left than it needs to
+# measure anything (stage_seconds); a stage the budget shortened that then times out is
+# recorded as cut(budget), not as a failure (stage_status).
 
 results_dir() {  # results_dir NAME DRY: sets RES (made) and PACK_TO ("" when not packing)
   local name=$1 dry=$2
   PACK_TO=""
   BUDGET=${GPU_BUDGET:-0}
   [[ -n "${OUT:-}" && -z "$dry" ]] && BUDGET=${GPU_BUDGET:-560}
+  if [[ ! $BUDGET =~ ^[0-9]+$ ]]; then
+    echo "GPU_BUDGET=$BUDGET: whole seconds (0: no budget)" >&2
+    exit 2
+  fi
   if [[ -n "${OUT:-}" && ( -z "$dry" || "${PACK:-0}" == 1 ) ]]; then
     PACK_TO="$OUT/$name.tgz"
     RES="$OUT/raw/$name/results"
@@ -35,9 +41,17 @@ pack() {  # pack FILE...: RES into PACK_TO, and each FILE of RES beside it (noth
   return 0
 }
 
-stage_seconds() {  # stage_seconds LIMIT: the seconds a stage may take now (0: skip it)
-  local limit=$1 left
+stage_seconds() {  # stage_seconds LIMIT [MIN]: the seconds a stage may take now; 0 (skip it)
+  local limit=$1 least=${2:-20} left  # when under MIN (default 20) are left
   if (( BUDGET <= 0 )); then echo "$limit"; return 0; fi
   left=$((BUDGET - SECONDS - 10))
-  if (( left < 20 )); then echo 0; else echo $((limit < left ? limit : left)); fi
+  if (( left < least )); then echo 0; else echo $((limit < left ? limit : left)); fi
+}
+
+stage_status() {  # stage_status RC GIVEN ASKED: ok, cut(budget), timeout(RC) or failed(RC)
+  local rc=$1 given=$2 asked=$3
+  if [[ $rc == 0 ]]; then echo ok
+  elif [[ $rc == 124 || $rc == 137 ]]; then
+    if (( given < asked )); then echo "cut(budget)"; else echo "timeout($rc)"; fi
+  else echo "failed($rc)"; fi
 }

@@ -14,6 +14,10 @@ step writes its pool. The host time of `calls` back-to-back calls without a wait
 the output is the sum it should be (output_right). A row per N,
 then a fit row: dispatch_us = fixed_us + per_arg_us * N (least squares over the rows). If
 per_arg_us * 291 is near the 3.3 ms, fewer argument leaves is the lever (--scan-layers: ~10).
+It times jax.jit's call path (the engine calls the AOT `Compiled` objects; probe3 found both
+cost the same), with the same buffers every call, and its one fusion may not make a CUDA
+graph: the cost of updating a graph's buffers is not in it. On XLA:CPU a program this small
+runs inline in the call, so there dispatch_us is not enqueueing alone.
 
 Rows go to <dir>/0_dispatch.jsonl as measured (benchmarks/result_rows.py).
 """
@@ -47,7 +51,7 @@ def measure(n: int, calls: int) -> tuple[float, float, bool]:
     over `calls` calls of program(n)."""
     import jax
     import jax.numpy as jnp
-    xs = [jnp.full((256,), i % 8, jnp.bfloat16) for i in range(n)]
+    xs = [jnp.full((256,), i % 8 + 1, jnp.bfloat16) for i in range(n)]
     f, out = program(n), jnp.zeros((1024,), jnp.float32)
     for _ in range(3):  # compile, then warm
         out = f(out, *xs)
@@ -58,7 +62,7 @@ def measure(n: int, calls: int) -> tuple[float, float, bool]:
     dispatch = time.perf_counter() - t0
     jax.block_until_ready(out)
     total = time.perf_counter() - t0
-    right = float(out[0]) == (3 + calls) * sum(i % 8 for i in range(n))
+    right = float(out[0]) == (3 + calls) * sum(i % 8 + 1 for i in range(n))
     return 1e6 * dispatch / calls, 1e6 * total / calls, right
 
 

@@ -43,9 +43,9 @@ STATUS="$RES/stages.tsv"
 : > "$STATUS"
 fail=0
 
-stage() {  # stage NAME SECONDS CMD...: run under a time guard (and the budget), log, record
-  local name=$1 limit; limit=$(stage_seconds "$2"); shift 2  # status and seconds
-  local t0=$SECONDS rc
+stage() {  # stage NAME SECONDS MIN CMD...: run under a time guard (and the budget: skipped
+  local name=$1 asked=$2 limit; limit=$(stage_seconds "$2" "$3"); shift 3  # with under MIN
+  local t0=$SECONDS rc status  # seconds left), log, record status and seconds
   if (( limit == 0 )); then
     printf '%s\tskipped(budget)\t0s\n' "$name" | tee -a "$STATUS"
     pack stages.tsv
@@ -54,9 +54,9 @@ stage() {  # stage NAME SECONDS CMD...: run under a time guard (and the budget),
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
-  printf '%s\t%s\t%ss\n' "$name" "$([[ $rc == 0 ]] && echo ok || { [[ $rc == 124 || $rc == 137 ]] && echo "timeout($rc)" || echo "failed($rc)"; })" \
-    "$((SECONDS - t0))" | tee -a "$STATUS"
-  [[ $rc == 0 ]] || fail=1
+  status=$(stage_status "$rc" "$limit" "$asked")
+  printf '%s\t%s\t%ss\n' "$name" "$status" "$((SECONDS - t0))" | tee -a "$STATUS"
+  [[ $status == ok || $status == "cut(budget)" ]] || fail=1
   pack stages.tsv
 }
 
@@ -67,27 +67,27 @@ stage() {  # stage NAME SECONDS CMD...: run under a time guard (and the budget),
 } 2>&1 | tee "$RES/device.txt"
 
 if [[ -n "$DRY" ]]; then
-  stage 0_dispatch 60 $PY -m benchmarks.forbid_imports benchmarks.dispatch_cost $DRY
-  stage 5_gpu_engine 300 $PY -m benchmarks.forbid_imports benchmarks.gpu_engine $DRY
-  stage 2_gpu_tests 120 $PY -m benchmarks.forbid_imports tests.pallas.native_checks --interpret --limit 1
-  stage 1_smoke 120 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench smoke $DRY
-  stage 4_e2e_decode 180 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode $DRY
-  stage 3_kernels 180 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep $DRY
+  stage 0_dispatch 60 20 $PY -m benchmarks.forbid_imports benchmarks.dispatch_cost $DRY
+  stage 5_gpu_engine 300 20 $PY -m benchmarks.forbid_imports benchmarks.gpu_engine $DRY
+  stage 2_gpu_tests 120 20 $PY -m benchmarks.forbid_imports tests.pallas.native_checks --interpret --limit 1
+  stage 1_smoke 120 20 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench smoke $DRY
+  stage 4_e2e_decode 180 20 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode $DRY
+  stage 3_kernels 180 20 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep $DRY
 else
-  stage 0_dispatch 30 $PY -m benchmarks.forbid_imports benchmarks.dispatch_cost
-  stage 5_gpu_engine 330 $PY -m benchmarks.forbid_imports benchmarks.gpu_engine \
+  stage 0_dispatch 30 20 $PY -m benchmarks.forbid_imports benchmarks.dispatch_cost
+  stage 5_gpu_engine 330 90 $PY -m benchmarks.forbid_imports benchmarks.gpu_engine \
     --config benchmarks/configs/llama3-8b
   if $PY -c "import pytest" 2>/dev/null; then
     # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the GPU platform explicitly.
-    stage 2_gpu_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/pallas/test_gpu.py tests/pallas/test_int4_matmul.py \
+    stage 2_gpu_tests 150 40 env JAX_PLATFORMS=cuda $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/pallas/test_gpu.py tests/pallas/test_int4_matmul.py \
       --junitxml="$RES/2_gpu_tests.xml"
   else
-    stage 2_gpu_tests 150 $PY -m tests.pallas.native_checks
+    stage 2_gpu_tests 150 40 $PY -m tests.pallas.native_checks
   fi
-  stage 1_smoke 40 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench smoke
-  stage 4_e2e_decode 110 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode \
+  stage 1_smoke 40 20 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench smoke
+  stage 4_e2e_decode 110 60 $PY -m benchmarks.forbid_imports benchmarks.e2e_decode \
     --config benchmarks/configs/llama3-8b --batches 1 32 128
-  stage 3_kernels 70 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep
+  stage 3_kernels 70 30 $PY -m benchmarks.forbid_imports benchmarks.kernel_bench sweep
 fi
 
 $PY -m benchmarks.result_rows > /dev/null 2>&1 || true

@@ -471,6 +471,7 @@ def main(argv=None) -> None:
             if "serving" in a.stages:
                 serving_row(llm, cfg, p, rows)
             memory_rows(llm, rows)  # the programs compiled by now (all but a cut background)
+            llm.llm_engine.shutdown()  # a background compile still running would keep it alive
             llm = None
             release_frozen_heap()  # its device memory too, before the next engine (an H100's 80 GB)
         if "smoke" in a.stages:  # on the model's first 2 layers: the paths, not the speed

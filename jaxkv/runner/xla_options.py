@@ -36,12 +36,15 @@ variant's trace says what share of kernel time ran in graphs.
 An option that XLA_FLAGS names is left to XLA_FLAGS (an experiment's choice wins), and other
 platforms get none. The options were chosen with jaxlib 0.10.2; a jaxlib that refuses one
 (a flag renamed or removed, a command type it does not know: XLA fails every compile that
-names it) would fail every step program, so on a GPU they are first tried on a one-op
-program, and an option refused there is dropped with a warning naming it and XLA's words.
+names it) would fail every step program, so on a GPU they are first tried together on a
+one-op program (once per process), and if XLA refuses one, each alone: an option refused is
+dropped, and a command type refused is dropped from its list, each with a warning naming it
+and XLA's words.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Callable
@@ -60,14 +63,22 @@ def step_compiler_options(platform: str, xla_flags: str | None = None, scan: boo
                           try_compile: Callable[[dict], None] | None = None) -> dict:
     """The compiler options of a step program on `platform` (jax's name: "gpu", "cpu", ...):
     GPU_STEP_OPTIONS (and SCAN_OPTIONS for a model whose layers are scanned) on a GPU, less
-    those `xla_flags` (default: $XLA_FLAGS) sets, less those `try_compile` (default:
-    compile_one_op) refuses (accepted_options); {} elsewhere."""
+    those `xla_flags` (default: $XLA_FLAGS) sets, less what `try_compile` refuses
+    (accepted_options; default: compile_one_op, its answer kept for the process); {}
+    elsewhere."""
     if platform != "gpu":
         return {}
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
     wanted = {**GPU_STEP_OPTIONS, **(SCAN_OPTIONS if scan else {})}
     wanted = {k: v for k, v in wanted.items() if f"--{k}=" not in flags}
-    return accepted_options(wanted, try_compile or compile_one_op)
+    if try_compile is None:
+        return dict(_accepted_here(tuple(wanted.items())))
+    return accepted_options(wanted, try_compile)
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted_here(options: tuple) -> tuple:
+    return tuple(accepted_options(dict(options), compile_one_op).items())
 
 
 def compile_one_op(options: dict) -> None:
@@ -77,27 +88,52 @@ def compile_one_op(options: dict) -> None:
     jax.jit(lambda x: x + 1, compiler_options=options).lower(jnp.zeros(1, jnp.float32)).compile()
 
 
+# How XLA refuses a compile option (CompileOptions::ApplyOption): an unknown name, or a value
+# it cannot parse ("While setting option X, 'Y' is not a valid enum value.").
+REFUSALS = ("No such compile option", "While setting option")
+
+
+def _refused(error: Exception, name: str | None = None) -> bool:
+    msg = str(error)
+    return any(r in msg for r in REFUSALS) and (name is None or name in msg)
+
+
 def accepted_options(options: dict, try_compile: Callable[[dict], None]) -> dict:
-    """`options` less those XLA refuses: all tried at once by `try_compile`, and when that
-    fails on an option ("No such compile option", "While setting option ..."), each alone;
-    a refused one is dropped with a warning naming it and XLA's message. A failure that
-    names no option is raised."""
+    """`options` less what XLA refuses: all tried at once by `try_compile`; when XLA refuses
+    one of them (REFUSALS), each alone (_accepted_value). Any other failure, or a refusal
+    that names none of the options, is raised."""
     if not options:
         return {}
     try:
         try_compile(options)
         return dict(options)
     except Exception as e:  # (jax's JaxRuntimeError; XLA says INVALID_ARGUMENT)
-        if "option" not in str(e):
+        if not _refused(e):
             raise
-    kept = {}
-    for name, value in options.items():
+    kept = {name: _accepted_value(name, value, try_compile) for name, value in options.items()}
+    return {name: value for name, value in kept.items() if value is not None}
+
+
+def _accepted_value(name: str, value, try_compile: Callable[[dict], None]):
+    """`value` as XLA takes it for option `name` alone, or None (refused). A comma-separated
+    list loses the items XLA names as invalid, one refusal at a time (a command type this
+    jaxlib lacks: the others, WHILE among them, stay); each drop is warned of, with XLA's
+    message."""
+    while True:
         try:
             try_compile({name: value})
-            kept[name] = value
+            return value
         except Exception as e:
-            if "option" not in str(e):
+            if not _refused(e, name):
                 raise
-            logger.warning("XLA option %s=%s refused by this jaxlib (%s): the step programs "
-                           "compile without it", name, value, str(e).splitlines()[0])
-    return kept
+            msg = str(e).splitlines()[0]
+        items = value.split(",") if isinstance(value, str) else []
+        bad = [x for x in items if f"'{x}'" in msg]
+        if bad and len(bad) < len(items):
+            value = ",".join(x for x in items if x not in bad)
+            logger.warning("XLA option %s: %s refused by this jaxlib (%s): the step programs "
+                           "compile without it", name, ",".join(bad), msg)
+            continue
+        logger.warning("XLA option %s=%s refused by this jaxlib (%s): the step programs "
+                       "compile without it", name, value, msg)
+        return None

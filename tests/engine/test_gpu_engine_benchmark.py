@@ -118,7 +118,7 @@ def test_the_device_scripts_keep_within_their_budget(tmp_path):
     gets its limit or what is left of GPU_BUDGET less 10 s, and with under 20 s left none
     runs: each is recorded as skipped, most wanted first on gpu_check.sh, and neither script
     fails for it. On the device the budget defaults to 560 s; elsewhere there is none."""
-    def seconds(budget, spent, limit, out="", dry=""):
+    def seconds(budget, spent, limit, out="", dry=""):  # limit: "LIMIT [MIN]"
         code = (f". benchmarks/device_out.sh; OUT={out} GPU_BUDGET={budget} results_dir x '{dry}'; "
                 f"SECONDS={spent}; echo $BUDGET $(stage_seconds {limit})")
         env = {k: v for k, v in os.environ.items() if k not in ("GPU_BUDGET", "OUT")}
@@ -126,7 +126,19 @@ def test_the_device_scripts_keep_within_their_budget(tmp_path):
         return p.stdout.split()
     assert seconds(300, 100, 330) == ["300", "190"] and seconds(300, 100, 60) == ["300", "60"]
     assert seconds(300, 275, 60) == ["300", "0"]  # 15 s left: skipped
+    assert seconds(300, 220, "110 90") == ["300", "0"]  # 70 s left, 90 needed: skipped
+    assert seconds(300, 200, "110 90") == ["300", "90"]
     assert seconds("", 100, 330) == ["0", "330"]  # no budget off the device
+
+    def status(rc, given, asked):
+        p = subprocess.run(["bash", "-c", f". benchmarks/device_out.sh; stage_status {rc} {given} {asked}"],
+                           cwd=ROOT, capture_output=True, text=True)
+        return p.stdout.strip()
+    assert [status(0, 50, 110), status(124, 50, 110), status(124, 110, 110), status(137, 110, 110),
+            status(1, 50, 110)] == ["ok", "cut(budget)", "timeout(124)", "timeout(137)", "failed(1)"]
+    p = subprocess.run(["bash", "-c", ". benchmarks/device_out.sh; OUT=x GPU_BUDGET=560s results_dir x ''"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "GPU_BUDGET=560s: whole seconds" in p.stderr
     out = tmp_path / "o"
     code = (f"unset GPU_BUDGET; . benchmarks/device_out.sh; OUT={out} results_dir x ''; echo $BUDGET; "
             f"OUT={out} results_dir x --cpu-dry-run; echo $BUDGET")

@@ -37,29 +37,53 @@ def test_options_by_platform_and_xla_flags():
 def test_an_option_this_jaxlib_refuses_is_dropped_with_a_warning(caplog):
     """A jaxlib that does not know an option (renamed or removed) or a value (a command type)
     fails every compile naming it: the one-op program finds it, and the step programs get
-    the others; the warning names the option and XLA's message. This jaxlib takes ours."""
+    the rest (a command type XLA names as invalid leaves the others in its list); each
+    warning names what was dropped and XLA's message. This jaxlib takes ours."""
     assert accepted_options(GPU_STEP_OPTIONS, compile_one_op) == GPU_STEP_OPTIONS
     graphs = "xla_gpu_enable_command_buffer"
-    asked = {"xla_gpu_no_such_option": 1, **GPU_STEP_OPTIONS, graphs: COMMAND_TYPES + ",NOT_A_TYPE",
-             **SCAN_OPTIONS}
+    asked = {"xla_gpu_no_such_option": 1, **GPU_STEP_OPTIONS,
+             graphs: COMMAND_TYPES.replace("CUDNN,", "NOT_A_TYPE,CUDNN,") + ",NOR_THIS", **SCAN_OPTIONS}
     with caplog.at_level("WARNING", logger="jaxkv"):
         got = accepted_options(asked, compile_one_op)
-    assert got == {"xla_gpu_dot_merger_threshold_mb": 0, **SCAN_OPTIONS}
+    assert got == {**GPU_STEP_OPTIONS, **SCAN_OPTIONS}
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 2, warned
+    assert len(warned) == 3, warned
     assert "xla_gpu_no_such_option=1" in warned[0] and "No such compile option" in warned[0]
-    assert "NOT_A_TYPE" in warned[1] and "not a valid enum value" in warned[1]
+    assert "NOT_A_TYPE refused" in warned[1] and "not a valid enum value" in warned[1]
+    assert "NOR_THIS refused" in warned[2]
     tried = []
     assert step_compiler_options("gpu", "", try_compile=tried.append) == GPU_STEP_OPTIONS
     assert tried == [GPU_STEP_OPTIONS]  # one compile when all are taken; none off a GPU
     assert step_compiler_options("cpu", "", try_compile=tried.append) == {} and len(tried) == 1
 
 
-def test_a_failure_that_names_no_option_is_raised():
-    def out_of_memory(options):
-        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+def test_a_failure_that_is_no_refusal_of_ours_is_raised():
+    """Only XLA's refusals of a compile option count, and only of the option tried: an out
+    of memory, or ptxas refusing its own option (a toolchain too old for the GPU), is raised
+    rather than taken for a refusal of every option."""
+    def fails_with(message):
+        def try_compile(options):
+            raise RuntimeError(message)
+        return try_compile
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
-        accepted_options(GPU_STEP_OPTIONS, out_of_memory)
+        accepted_options(GPU_STEP_OPTIONS, fails_with("RESOURCE_EXHAUSTED: out of memory"))
+    with pytest.raises(RuntimeError, match="ptxas"):
+        accepted_options(GPU_STEP_OPTIONS, fails_with("ptxas: Value 'sm_90a' is not defined for option 'gpu-name'"))
+    with pytest.raises(RuntimeError, match="other_option"):  # a refusal naming none of ours
+        accepted_options(GPU_STEP_OPTIONS, fails_with("No such compile option: 'other_option'"))
+
+
+def test_the_default_check_runs_once_per_process(monkeypatch):
+    from jaxkv.runner import xla_options
+    calls = []
+    monkeypatch.setattr(xla_options, "compile_one_op", calls.append)
+    xla_options._accepted_here.cache_clear()
+    try:
+        for _ in range(3):
+            assert step_compiler_options("gpu", "") == GPU_STEP_OPTIONS
+        assert calls == [GPU_STEP_OPTIONS]
+    finally:
+        xla_options._accepted_here.cache_clear()
 
 
 def test_the_default_command_types_are_this_jaxlibs():
