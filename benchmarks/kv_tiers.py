@@ -23,7 +23,6 @@ prompt. Same-run ratios; the machine is recorded with the result.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

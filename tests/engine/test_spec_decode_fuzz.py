@@ -7,7 +7,6 @@ often right. Outputs must equal the reference exactly."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
