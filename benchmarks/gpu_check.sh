@@ -79,7 +79,7 @@ else
     --config benchmarks/configs/llama3-8b
   if $PY -c "import pytest" 2>/dev/null; then
     # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the GPU platform explicitly.
-    stage 2_gpu_tests 150 40 env JAX_PLATFORMS=cuda $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/pallas/test_gpu.py tests/pallas/test_int4_matmul.py \
+    stage 2_gpu_tests 150 40 env JAX_PLATFORMS=cuda $PY -m pytest -v -rs -p no:cacheprovider -m gpu tests/pallas/test_gpu.py tests/pallas/test_int4_matmul.py \
       --junitxml="$RES/2_gpu_tests.xml"
   else
     stage 2_gpu_tests 150 40 $PY -m tests.pallas.native_checks
